@@ -1,0 +1,26 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned, so this machine's CPU build is used (no CUDA wheels).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/pdserve generate --model tiny --prompt "Hello, pdserve!" --max-tokens 32
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/pdserve bench engine --json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Ray Serve deployments of pdserve (router, prefill, decode, kvstore)."""

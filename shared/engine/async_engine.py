@@ -1,0 +1,102 @@
+"""asyncio front of the engine: `generate` streams TokenDeltas; steps run on one worker thread.
+
+Invariant: the engine core is touched only by the loop task (between steps, on the event loop)
+and by the step itself (on the worker thread), never by both at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import EngineStats, GenerationRequest, TokenDelta
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue[TokenDelta | BaseException]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-step")
+        self._lock = asyncio.Lock()
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        queue: asyncio.Queue = asyncio.Queue()
+        async with self._lock:
+            self.engine.add_request(request)  # raises ValueError on bad input, before anything is held
+            self._queues[request.request_id] = queue
+        self._ensure_loop()
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                await self.abort(request.request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        async with self._lock:
+            self._queues.pop(request_id, None)
+            return self.engine.abort(request_id)
+
+    async def reserve_kv(self, num_tokens: int):
+        async with self._lock:
+            return self.engine.reserve_kv(num_tokens)
+
+    async def release_lease(self, lease_id: str) -> bool:
+        async with self._lock:
+            return self.engine.release_lease(lease_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.engine.has_unfinished() and not self.engine.leases.leases:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            async with self._lock:
+                try:
+                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                except Exception as exc:  # fail every in-flight request rather than hang them
+                    for queue in self._queues.values():
+                        queue.put_nowait(exc)
+                    self._queues.clear()
+                    for request_id in list(self.engine.requests):
+                        self.engine.abort(request_id)
+                    continue
+            for delta in outputs:
+                queue = self._queues.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+                    if delta.finished:
+                        del self._queues[delta.request_id]
+            if not outputs:
+                await asyncio.sleep(0.001 if self.engine.has_unfinished() else 0.05)
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._executor.shutdown(wait=False)

@@ -1,0 +1,140 @@
+"""KV block pool: allocation, refcounts, and prefix caching by chained block hash with LRU eviction.
+
+Invariants:
+- a block is in `free_blocks` iff its ref_count is 0;
+- `hash_to_block[h] == b` implies `blocks[b].hash == h` (free blocks keep their hash until evicted);
+- every block is owned by sequences, leases, or the free list; `num_free_blocks` counts the
+  free list (cached-but-free blocks included), so it returns to `num_blocks` when all work is done.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from pdserve.engine.sequence import Sequence
+
+
+def block_hash(parent: int | None, token_ids: list[int]) -> int:
+    h = xxhash.xxh3_64(seed=0)
+    h.update((parent if parent is not None else 0).to_bytes(8, "little"))
+    h.update(b"\x01" if parent is not None else b"\x00")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.num_prefix_hit_tokens = 0
+        self.num_prefix_queried_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free_blocks
+
+    def allocate_blocks(self, num_blocks: int) -> list[int]:
+        if not self.can_allocate(num_blocks):
+            raise MemoryError(f"need {num_blocks} KV blocks, {self.num_free_blocks} free")
+        return [self._take_free_block() for _ in range(num_blocks)]
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        # Reverse order: a sequence's tail blocks become the least recently used, evicted first.
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of block {block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Take cached full blocks for the sequence's prefix; returns the number of tokens hit.
+
+        At most len(seq) - 1 tokens can hit, so the last token is always computed (it yields logits).
+        """
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return 0
+        num_hashable = (len(seq) - 1) // self.block_size
+        self.num_prefix_queried_tokens += len(seq)
+        parent = None
+        for index in range(num_hashable):
+            h = block_hash(parent, seq.block_tokens(index))
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            self._ref(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            parent = h
+        num_hit = len(seq.block_table) * self.block_size
+        self.num_prefix_hit_tokens += num_hit
+        return num_hit
+
+    def num_blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, seq.blocks_needed(num_tokens) - len(seq.block_table))
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Ensure the block table covers `num_tokens` tokens; False (and no change) if the pool is short."""
+        needed = self.num_blocks_to_grow(seq, num_tokens)
+        if not self.can_allocate(needed):
+            return False
+        seq.block_table.extend(self._take_free_block() for _ in range(needed))
+        return True
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Hash the sequence's newly computed full blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        for index in range(len(seq.block_hashes), seq.num_full_blocks):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = block_hash(parent, seq.block_tokens(index))
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[index]]
+            if h not in self.hash_to_block and block.hash is None:
+                block.hash = h
+                self.hash_to_block[h] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        self.release_blocks(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = None
+        block.ref_count = 1
+        return block_id

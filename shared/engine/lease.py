@@ -1,0 +1,48 @@
+"""Leases: KV blocks held for a handoff, released explicitly, by adoption, or on expiry."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    expires_at: float
+
+
+class LeaseTable:
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.leases: dict[str, Lease] = {}
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(lease.block_ids) for lease in self.leases.values())
+
+    def grant(self, block_ids: list[int], num_tokens: int, now: float | None = None) -> Lease:
+        now = time.monotonic() if now is None else now
+        lease = Lease(uuid.uuid4().hex, tuple(block_ids), num_tokens, now + self.ttl_s)
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    def take(self, lease_id: str) -> Lease:
+        """Remove and return a lease; the caller now owns its block references."""
+        try:
+            return self.leases.pop(lease_id)
+        except KeyError:
+            raise KeyError(f"unknown or expired lease {lease_id!r}") from None
+
+    def expired(self, now: float | None = None) -> list[Lease]:
+        now = time.monotonic() if now is None else now
+        gone = [lease for lease in self.leases.values() if lease.expires_at <= now]
+        for lease in gone:
+            del self.leases[lease.lease_id]
+        return gone

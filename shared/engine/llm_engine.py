@@ -1,0 +1,223 @@
+"""Synchronous engine core: add requests, step, abort. One step = schedule -> run -> sample -> postprocess."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.lease import Lease, LeaseTable
+from pdserve.engine.model_runner import ModelRunner, kv_block_bytes
+from pdserve.engine.outputs import EngineStats, GenerationRequest, KVHandoff, TokenDelta
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.engine.sequence import Sequence
+from pdserve.models.loader import load_model
+from pdserve.models.tiny import resolve_model_path
+from pdserve.models.tokenizer import Tokenizer
+
+
+@dataclass
+class _RequestState:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        model_dir = resolve_model_path(config.model)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        max_len = config.scheduler.max_model_len
+        model, self.model_config = load_model(model_dir, config.torch_dtype, config.device, max_positions=max_len)
+        self.max_model_len = max_len or self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            # No sliding-window attention here: cap the context where full attention is still exact.
+            self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or max(
+            1, config.cache.memory_budget_bytes // kv_block_bytes(self.model_config, block_size, config.torch_dtype)
+        )
+        self.runner = ModelRunner(model, self.model_config, block_size, num_blocks, config.torch_dtype, config.device)
+        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.sampler = Sampler(config.seed)
+        self.leases = LeaseTable(config.lease_ttl_s)
+        self.requests: dict[str, _RequestState] = {}
+        self.step_times: deque[float] = deque(maxlen=32)
+        self.step_tokens: deque[int] = deque(maxlen=32)
+        self.num_preemptions = 0
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request: GenerationRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        prompt = list(request.prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) + request.params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) exceeds "
+                f"the model's context length {self.max_model_len}"
+            )
+        seq = Sequence(
+            request.request_id, prompt, request.params, self.block_manager.block_size,
+            eos_token_ids=self.tokenizer.eos_token_ids, prefill_only=request.prefill_only,
+            priority=request.priority, arrival_time=request.arrival_time,
+        )
+        detok = IncrementalDetokenizer(
+            self.tokenizer, prompt, stop=request.params.stop,
+            include_stop_str_in_output=request.params.include_stop_str_in_output,
+            skip_special_tokens=request.params.skip_special_tokens,
+        )
+        if request.adopt_lease_id is not None:
+            lease = self.leases.take(request.adopt_lease_id)
+            if lease.num_tokens != len(prompt) or len(lease.block_ids) < seq.blocks_needed(len(prompt)):
+                self.block_manager.release_blocks(list(lease.block_ids))
+                raise ValueError("lease does not cover the prompt")
+            seq.block_table = list(lease.block_ids)
+            seq.num_computed_tokens = len(prompt)
+            self.block_manager.register_full_blocks(seq)
+            seq.token_ids.append(request.first_token_id)
+            self.requests[seq.request_id] = _RequestState(seq, detok)
+            detok.add_tokens([request.first_token_id])
+            self.scheduler.add_running(seq)
+            return
+        self.requests[seq.request_id] = _RequestState(seq, detok)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        if not state.seq.is_finished:
+            self.scheduler.finish(state.seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- leases ----------------------------------------------------------------------------------
+
+    def reserve_kv(self, num_tokens: int) -> Lease:
+        """Allocate blocks for KV that a transport will write (decode side of a handoff)."""
+        block_ids = self.block_manager.allocate_blocks((num_tokens + self.block_manager.block_size - 1) // self.block_manager.block_size)
+        return self.leases.grant(block_ids, num_tokens)
+
+    def release_lease(self, lease_id: str) -> bool:
+        try:
+            lease = self.leases.take(lease_id)
+        except KeyError:
+            return False
+        self.block_manager.release_blocks(list(lease.block_ids))
+        return True
+
+    def expire_leases(self, now: float | None = None) -> int:
+        expired = self.leases.expired(now)
+        for lease in expired:
+            self.block_manager.release_blocks(list(lease.block_ids))
+        return len(expired)
+
+    # --- stepping --------------------------------------------------------------------------------
+
+    def step(self) -> list[TokenDelta]:
+        self.expire_leases()
+        batch = self.scheduler.schedule()
+        self.num_preemptions += len(batch.preempted)
+        if batch.is_empty:
+            return []
+        start = time.perf_counter()
+        seqs, logits = self.runner.run(batch)
+        sampled = self.sampler(logits, seqs) if seqs else None
+        self._advance(batch)
+        outputs = self._postprocess(seqs, sampled) if seqs else []
+        self.step_times.append(time.perf_counter() - start)
+        self.step_tokens.append(batch.num_tokens)
+        return outputs
+
+    def _advance(self, batch: ScheduledBatch) -> None:
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+            self.block_manager.register_full_blocks(seq)
+        for seq, num_new in batch.prefills:
+            seq.num_computed_tokens += num_new
+            self.block_manager.register_full_blocks(seq)
+
+    def _postprocess(self, seqs: list[Sequence], sampled) -> list[TokenDelta]:
+        outputs = []
+        for i, seq in enumerate(seqs):
+            token = sampled.token_ids[i]
+            seq.token_ids.append(token)
+            state = self.requests[seq.request_id]
+            reason, stop_reason, text = self._check_stop(seq, state.detokenizer, token)
+            handoff = None
+            if seq.prefill_only and reason is None:
+                handoff = self._hand_off(seq)
+                reason = None
+            elif reason is not None:
+                self.scheduler.finish(seq, reason)
+            finished = reason is not None or handoff is not None
+            if finished:
+                text += state.detokenizer.flush() if stop_reason is None or isinstance(stop_reason, int) else ""
+                del self.requests[seq.request_id]
+            outputs.append(TokenDelta(
+                request_id=seq.request_id, token_ids=(token,), text=text, finished=finished,
+                finish_reason=reason, stop_reason=stop_reason,
+                logprobs=None if sampled.logprobs[i] is None else (sampled.logprobs[i],),
+                top_logprobs=None if sampled.top_logprobs[i] is None else (tuple(sampled.top_logprobs[i]),),
+                num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+                num_cached_tokens=seq.num_cached_tokens, kv_handoff=handoff,
+            ))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> tuple[str | None, str | int | None, str]:
+        params = seq.params
+        # the sampler masked eos and stop ids while fewer than min_tokens had been generated
+        may_stop = seq.num_output_tokens > params.min_tokens
+        if may_stop and token in params.stop_token_ids:
+            text = detok.add_tokens([token]) if params.include_stop_str_in_output else ""
+            return "stop", token, text
+        if may_stop and not params.ignore_eos and token in seq.eos_token_ids:
+            return "stop", None, ""
+        text = detok.add_tokens([token])
+        if detok.stopped_by is not None:
+            return "stop", detok.stopped_by, text
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return "length", None, text
+        return None, None, text
+
+    def _hand_off(self, seq: Sequence) -> KVHandoff:
+        # The prompt's KV stays in the pool under a lease; the first token is not yet computed.
+        self.scheduler.remove(seq)
+        lease = self.leases.grant(seq.block_table, seq.num_computed_tokens)
+        handoff = KVHandoff(lease.lease_id, lease.block_ids, lease.num_tokens, tuple(seq.block_hashes))
+        seq.block_table, seq.block_hashes = [], []
+        self.scheduler.finish(seq, "handoff")
+        return handoff
+
+    # --- stats -----------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running,
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_total_blocks=self.block_manager.num_blocks,
+            block_size=self.block_manager.block_size,
+            num_leased_blocks=self.leases.num_blocks,
+            recent_step_times_s=tuple(self.step_times),
+            recent_step_tokens=tuple(self.step_tokens),
+            prefix_hit_tokens=self.block_manager.num_prefix_hit_tokens,
+            prefix_queried_tokens=self.block_manager.num_prefix_queried_tokens,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,75 @@
+"""Engine request and output types (plain data, no tensors)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pdserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """KV blocks held under a lease: produced by prefill-only runs, consumed by adoption."""
+
+    lease_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int  # tokens whose K/V are in the blocks
+    block_hashes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    # Stop after the first token and hold the KV under a lease (prefill worker).
+    prefill_only: bool = False
+    # Continue from KV already in this engine's pool (lease id) with this first token.
+    adopt_lease_id: str | None = None
+    first_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if (self.adopt_lease_id is None) != (self.first_token_id is None):
+            raise ValueError("adopt_lease_id and first_token_id go together")
+        if self.prefill_only and self.adopt_lease_id is not None:
+            raise ValueError("a request cannot both prefill-only and adopt KV")
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    request_id: str
+    token_ids: tuple[int, ...]  # new tokens this step
+    text: str  # new committed text this step
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None
+    stop_reason: str | int | None = None  # matched stop string or stop token id
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    kv_handoff: KVHandoff | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Snapshot for routing decisions."""
+
+    num_waiting: int
+    num_running: int
+    queued_prefill_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    num_leased_blocks: int
+    recent_step_times_s: tuple[float, ...]
+    recent_step_tokens: tuple[int, ...]
+    prefix_hit_tokens: int
+    prefix_queried_tokens: int
+    num_preemptions: int

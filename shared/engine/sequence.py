@@ -1,0 +1,82 @@
+"""Per-request state: tokens, KV progress and block table."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    block_size: int
+    eos_token_ids: frozenset[int] = frozenset()
+    # prefill_only: stop after the first token and keep the KV blocks under a lease.
+    prefill_only: bool = False
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # chained hashes of the full blocks already registered in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_full_blocks(self) -> int:
+        return self.num_computed_tokens // self.block_size
+
+    def block_tokens(self, index: int) -> list[int]:
+        return self.token_ids[index * self.block_size : (index + 1) * self.block_size]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
