@@ -6,7 +6,7 @@ from pdserve.models.tokenizer import Tokenizer
 
 # Prompt tokens kept as left context, so the first output token decodes with its leading space.
 PROMPT_CONTEXT_TOKENS = 5
-# A tail still ending in U+FFFD after this many undecoded tokens is committed as is: it is invalid
+# A tail still ending in U+FFFD after this many held tokens in a row is committed as is: it is invalid
 # bytes from the model, not a character split across tokens (at most 4 bytes, one byte or more a token).
 MAX_HELD_TOKENS = 8
 
@@ -51,8 +51,12 @@ class IncrementalDetokenizer:
     def add_tokens(self, new_ids: list[int]) -> str:
         if self.is_stopped:
             return ""
-        self._ids.extend(i for i in new_ids if self._is_visible(i))
-        return self._commit(self._decode_tail(force=False))
+        new_text = ""
+        for token_id in new_ids:
+            if self._is_visible(token_id):
+                self._ids.append(token_id)
+                new_text += self._decode_tail(force=False)
+        return self._commit(new_text)
 
     def flush(self) -> str:
         """Releases everything still held at the end of generation; a partial character becomes U+FFFD."""

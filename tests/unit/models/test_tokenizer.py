@@ -54,7 +54,9 @@ def test_round_trip_arbitrary_text(tok: Tokenizer, text: str) -> None:
     assert tok.decode(ids, skip_special_tokens=False) == text
 
 
-@pytest.mark.parametrize("text", ["", "hello world", "héllo wörld", "日本語のテキスト", "emoji 😀👍🏽🇯🇵", "\x00\t\n\r ", "a\u0301"])
+@pytest.mark.parametrize(
+    "text", ["", "hello world", "héllo wörld", "日本語のテキスト", "emoji 😀👍🏽🇯🇵", "\x00\t\n\r ", "a\u0301"]
+)
 def test_round_trip_examples(tok: Tokenizer, text: str) -> None:
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text
@@ -79,7 +81,9 @@ def test_bos_added_once(tok: Tokenizer) -> None:
 
 def test_bos_not_doubled_when_post_processor_adds_it(tmp_path: Path) -> None:
     backend = build_tiny_tokenizer()
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS_TOKEN_ID)])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", BOS_TOKEN_ID)]
+    )
     make_dir(tmp_path, {"bos_token": "<s>", "add_bos_token": True})
     (tmp_path / "tokenizer.json").write_text(backend.to_str())
     assert Tokenizer.from_dir(tmp_path).encode("a") == [BOS_TOKEN_ID, ord("a")]
@@ -99,14 +103,23 @@ def test_eos_ids_union_of_configs(tok: Tokenizer) -> None:
 @pytest.mark.parametrize(
     ("tokenizer_config", "generation_config", "eos_ids", "bos_id"),
     [
-        ({"eos_token": {"content": "</s>", "special": True}}, {"eos_token_id": END_TOKEN_ID}, {257, 261}, None),
+        (
+            {"eos_token": {"content": "</s>", "special": True}},
+            {"eos_token_id": END_TOKEN_ID},
+            {257, 261},
+            None,
+        ),
         ({"eos_token": "<|end|>", "bos_token": {"content": "<s>"}}, None, {261}, 256),
         (None, {"eos_token_id": [257, 260], "bos_token_id": 256}, {257, 260}, 256),
         (None, None, set(), None),
     ],
 )
 def test_special_tokens_from_configs(
-    tmp_path: Path, tokenizer_config: dict | None, generation_config: dict | None, eos_ids: set, bos_id: int | None
+    tmp_path: Path,
+    tokenizer_config: dict | None,
+    generation_config: dict | None,
+    eos_ids: set,
+    bos_id: int | None,
 ) -> None:
     tok = Tokenizer.from_dir(make_dir(tmp_path, tokenizer_config, generation_config))
     assert tok.eos_token_ids == frozenset(eos_ids)
@@ -127,7 +140,9 @@ def test_tiny_chat_template(tok: Tokenizer) -> None:
         "<s><|system|>\nBe brief.<|end|>\n<|user|>\nHi 世界<|end|>\n"
         "<|assistant|>\nHello 👋<|end|>\n<|user|>\nBye<|end|>\n<|assistant|>\n"
     )
-    assert tok.apply_chat_template(CHAT, add_generation_prompt=False) == prompt.removesuffix("<|assistant|>\n")
+    assert tok.apply_chat_template(CHAT, add_generation_prompt=False) == prompt.removesuffix(
+        "<|assistant|>\n"
+    )
     ids = tok.encode(prompt, add_special_tokens=False)
     assert ids[:2] == [BOS_TOKEN_ID, 260] and ids[-2:] == [259, ord("\n")]
 

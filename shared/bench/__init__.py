@@ -1,0 +1,1 @@
+"""Benchmark commands (`pdserve bench ...`): each prints one JSON object with ratios against a peer."""

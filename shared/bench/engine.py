@@ -1,0 +1,136 @@
+"""`pdserve bench engine`: pdserve against HF transformers `generate` on a ~125M random Llama, fp32, CPU."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve.bench.roofline import gemv_bandwidth_gb_s, read_bandwidth_gb_s
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine import LLM
+from pdserve.models.tiny import default_cache_dir, ensure_tiny_checkpoint
+from pdserve.sampling_params import SamplingParams
+
+BENCH_MODEL = dict(
+    vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+    num_key_value_heads=4, intermediate_size=2048, max_position_embeddings=2048,
+)
+
+
+def _log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def build_bench_model(root: Path | None = None) -> Path:
+    import transformers
+
+    path = (root or default_cache_dir()) / "bench-llama-125m-v1"
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BENCH_MODEL))
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tiny = ensure_tiny_checkpoint()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, tmp / name)
+    os.replace(tmp, path)
+    return path
+
+
+def mixed_workload(seed: int, num_requests: int = 64) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(10, 32000) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
+        for _ in range(num_requests)
+    ]
+
+
+def streamed_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters read in one decode step (the embedding table is indexed, not streamed)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+
+
+def _pdserve_run(llm: LLM, workload: list[tuple[list[int], int]]) -> float:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in workload]
+    start = time.perf_counter()
+    outputs = llm.generate([p for p, _ in workload], params)
+    elapsed = time.perf_counter() - start
+    assert [len(o.token_ids) for o in outputs] == [n for _, n in workload]
+    return elapsed
+
+
+@torch.inference_mode()
+def _hf_run(model, workload: list[tuple[list[int], int]], batch_size: int) -> float:
+    start = time.perf_counter()
+    for i in range(0, len(workload), batch_size):
+        batch = workload[i : i + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, (prompt, _) in enumerate(batch):  # left padding
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        num_new = max(n for _, n in batch)
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=num_new, min_new_tokens=num_new,
+            do_sample=False, pad_token_id=0,
+        )
+    return time.perf_counter() - start
+
+
+def run(quick: bool = False, seed: int = 0) -> dict:
+    import transformers
+
+    path = build_bench_model()
+    threads = torch.get_num_threads()
+    _log(f"model at {path}, {threads} threads")
+    b1 = [(list(range(1000, 1256)), 128)]
+    mixed = mixed_workload(seed, 16 if quick else 64)
+    llm = LLM(EngineConfig(
+        model=str(path), device="cpu", dtype="float32",
+        cache=CacheConfig(block_size=16, memory_budget_bytes=2 << 30, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
+    ))
+    weight_bytes = streamed_weight_bytes(llm.engine.runner.model)
+    _pdserve_run(llm, [(b1[0][0], 8)])  # warm-up
+    pd_b1 = min(_pdserve_run(llm, b1) for _ in range(2))
+    _log(f"pdserve b1 {128 / pd_b1:.1f} tok/s")
+    mixed_tokens = sum(n for _, n in mixed)
+    pd_mixed = _pdserve_run(llm, mixed)
+    _log(f"pdserve mixed {mixed_tokens / pd_mixed:.1f} tok/s")
+    del llm
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    _hf_run(hf_model, [(b1[0][0], 8)], 1)
+    hf_b1 = min(_hf_run(hf_model, b1, 1) for _ in range(2))
+    _log(f"hf b1 {128 / hf_b1:.1f} tok/s")
+    hf_mixed = _hf_run(hf_model, mixed, 32)
+    _log(f"hf mixed {mixed_tokens / hf_mixed:.1f} tok/s")
+    del hf_model
+    mem_bw = read_bandwidth_gb_s()
+    gemv_bw = gemv_bandwidth_gb_s(weight_bytes)
+    pd_b1_tok_s = 128 / pd_b1
+    return {
+        "bench": "engine",
+        "model": "llama-125m-random fp32 cpu",
+        "threads": threads,
+        "weight_bytes": weight_bytes,
+        "num_mixed_requests": len(mixed),
+        "mixed_output_tokens": mixed_tokens,
+        "pdserve_tok_s_b1": round(pd_b1_tok_s, 2),
+        "hf_tok_s_b1": round(128 / hf_b1, 2),
+        "ratio_b1": round(hf_b1 / pd_b1, 3),
+        "pdserve_tok_s_mixed": round(mixed_tokens / pd_mixed, 2),
+        "hf_tok_s_mixed": round(mixed_tokens / hf_mixed, 2),
+        "ratio_mixed": round(hf_mixed / pd_mixed, 3),
+        "mem_bw_gb_s": round(mem_bw, 2),
+        "gemv_bw_gb_s": round(gemv_bw, 2),
+        "roofline_fraction_b1": round(pd_b1_tok_s * weight_bytes / 1e9 / mem_bw, 3),
+        "gemv_fraction_b1": round(pd_b1_tok_s * weight_bytes / 1e9 / gemv_bw, 3),
+    }
