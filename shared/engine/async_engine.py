@@ -23,6 +23,8 @@ class AsyncLLMEngine:
         self._lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        # Refreshed under the lock between steps: reading the engine while a step runs is a data race.
+        self._stats = engine.stats()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -37,8 +39,8 @@ class AsyncLLMEngine:
         async with self._lock:
             self.engine.add_request(request)  # raises ValueError on bad input, before anything is held
             self._queues[request.request_id] = queue
-        self._ensure_loop()
-        self._wakeup.set()
+            self._stats = self.engine.stats()
+        self._wake_loop()
         finished = False
         try:
             while not finished:
@@ -53,23 +55,35 @@ class AsyncLLMEngine:
 
     async def abort(self, request_id: str) -> bool:
         async with self._lock:
-            self._queues.pop(request_id, None)
-            return self.engine.abort(request_id)
+            queue = self._queues.pop(request_id, None)
+            aborted = self.engine.abort(request_id)
+            self._stats = self.engine.stats()
+        if queue is not None and aborted:
+            # A stream aborted by someone other than its consumer ends rather than waits forever.
+            queue.put_nowait(TokenDelta(request_id, (), "", finished=True, finish_reason="abort"))
+        return aborted
 
     async def reserve_kv(self, num_tokens: int):
         async with self._lock:
-            return self.engine.reserve_kv(num_tokens)
+            lease = self.engine.reserve_kv(num_tokens)
+            self._stats = self.engine.stats()
+        self._wake_loop()  # the loop expires leases, so it must run while one is held
+        return lease
 
     async def release_lease(self, lease_id: str) -> bool:
         async with self._lock:
-            return self.engine.release_lease(lease_id)
+            released = self.engine.release_lease(lease_id)
+            self._stats = self.engine.stats()
+        return released
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """Snapshot as of the last step, admission, abort or lease change."""
+        return self._stats
 
-    def _ensure_loop(self) -> None:
+    def _wake_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+        self._wakeup.set()
 
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -86,7 +100,8 @@ class AsyncLLMEngine:
                     self._queues.clear()
                     for request_id in list(self.engine.requests):
                         self.engine.abort(request_id)
-                    continue
+                    outputs = []
+                self._stats = self.engine.stats()
             for delta in outputs:
                 queue = self._queues.get(delta.request_id)
                 if queue is not None:
@@ -97,6 +112,11 @@ class AsyncLLMEngine:
                 await asyncio.sleep(0.001 if self.engine.has_unfinished() else 0.05)
 
     async def close(self) -> None:
+        """Stops the loop, waits out a step in flight, and ends every open stream with an abort."""
         if self._loop_task is not None:
             self._loop_task.cancel()
-        self._executor.shutdown(wait=False)
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        # Cancelling the loop does not stop a step already on the worker thread: wait for it to end.
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+        for request_id in list(self._queues):
+            await self.abort(request_id)

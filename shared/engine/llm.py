@@ -33,13 +33,21 @@ class LLM:
     ) -> list[Completion]:
         params = params or SamplingParams()
         per_request = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_request) != len(prompts):
+            raise ValueError(f"{len(per_request)} sampling params for {len(prompts)} prompts")
         ids = []
-        for prompt, p in zip(prompts, per_request):
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            request_id = f"llm-{self._counter}"
-            self._counter += 1
-            self.engine.add_request(GenerationRequest(request_id, tuple(token_ids), p))
-            ids.append(request_id)
+        try:
+            for prompt, p in zip(prompts, per_request):
+                token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                request_id = f"llm-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(GenerationRequest(request_id, tuple(token_ids), p))
+                ids.append(request_id)
+        except BaseException:
+            # a bad prompt rejects the whole batch; requests already added must not linger in the engine
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         texts: dict[str, list[str]] = {i: [] for i in ids}
         done: dict[str, tuple[str | None, int]] = {}

@@ -64,6 +64,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if request.first_token_id is not None and not 0 <= request.first_token_id < vocab:
+            raise ValueError(f"first_token_id must be in [0, {vocab})")
         if len(prompt) + request.params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) exceeds "

@@ -6,7 +6,7 @@ import torch
 
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
-from pdserve.models.attention import AttentionMetadata, PrefillChunk
+from pdserve.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from pdserve.models.config import ModelConfig
 
 
@@ -31,13 +31,15 @@ class ModelRunner:
             dtype=dtype, device=self.device,
         )
         self.kv_caches = [(self.kv_pool[:, i, 0], self.kv_pool[:, i, 1]) for i in range(config.num_layers)]
+        self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Returns the sequences that reach their last token this step and their logits [N, V]."""
         input_ids, positions, slots, sample_rows, sampling = [], [], [], [], []
         bs = self.block_size
-        for seq in batch.decodes:
+        decodes = sorted(batch.decodes, key=len)  # similar lengths share a padded gather
+        for seq in decodes:
             pos = len(seq) - 1
             input_ids.append(seq.last_token_id)
             positions.append(pos)
@@ -56,7 +58,7 @@ class ModelRunner:
             if end == len(seq):
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
-        meta = self._metadata(batch.decodes, slots, chunks)
+        meta = self._metadata(decodes, slots, chunks)
         to = dict(dtype=torch.int64, device=self.device)
         hidden = self.model(torch.tensor(input_ids, **to), torch.tensor(positions, **to), self.kv_caches, meta)
         if not sampling:
@@ -67,18 +69,29 @@ class ModelRunner:
 
     def _metadata(self, decodes: list[Sequence], slots: list[int], chunks: list[PrefillChunk]) -> AttentionMetadata:
         to = dict(dtype=torch.int64, device=self.device)
-        tables = lens = None
-        max_len = 0
-        if decodes:
-            width = max(len(s.block_table) for s in decodes)
-            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes], **to)
-            lens = torch.tensor([len(s) for s in decodes], **to)
-            max_len = max(len(s) for s in decodes)
+        groups = []
+        num_groups = 1 if len(decodes) <= 8 else min(4, len(decodes) // 8)
+        bounds = [round(i * len(decodes) / num_groups) for i in range(num_groups + 1)]
+        for start, end in zip(bounds, bounds[1:]):
+            members = decodes[start:end]
+            if not members:
+                continue
+            width = max(len(s.block_table) for s in members)
+            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in members], **to)
+            lens = torch.tensor([len(s) for s in members], **to)
+            groups.append(DecodeGroup(start, tables, lens, max(len(s) for s in members)))
+        needed = max((g.block_tables.numel() for g in groups), default=0)
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, **to),
             num_decode_tokens=len(decodes),
-            decode_block_tables=tables,
-            decode_context_lens=lens,
-            decode_max_context_len=max_len,
+            decode_groups=tuple(groups),
             prefills=tuple(chunks),
+            workspace=self._workspace(needed) if needed else None,
         )
+
+    def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.workspace is None or self.workspace[0].shape[0] < num_blocks:
+            shape = (max(num_blocks, 64) * 3 // 2, *self.kv_pool.shape[3:])
+            kw = dict(dtype=self.kv_pool.dtype, device=self.device)
+            self.workspace = (torch.empty(shape, **kw), torch.empty(shape, **kw))
+        return self.workspace

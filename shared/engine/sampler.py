@@ -31,7 +31,7 @@ def _pad(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, tor
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    # logits: [N, V] float32, modified in place
+    # logits: [N, V] float32 -> penalized copy
     n, vocab = logits.shape
     device = logits.device
     out_ids, out_valid = _pad([s.output_token_ids for s in seqs], device)
@@ -70,8 +70,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch
     remove = ranks >= top_k[:, None]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    # keep a token if the mass strictly before it is below top_p (the first token always stays)
-    remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    # keep a token if the mass strictly before it is below top_p (the first token always stays);
+    # top_p == 1 keeps all: a float32 cumsum can reach 1.0 before the tail
+    remove |= ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
     remove |= probs < (min_p[:, None] * probs[:, :1])
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))

@@ -122,7 +122,7 @@ class Scheduler:
         remaining = seq.num_uncomputed_tokens
         if self.config.enable_chunked_prefill:
             return min(remaining, budget)
-        if remaining <= budget or not batch.prefills:
+        if remaining <= budget or (remaining > self.config.max_num_batched_tokens and batch.is_empty):
             return remaining  # an oversized prompt runs alone rather than never
         return 0
 

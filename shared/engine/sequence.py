@@ -17,7 +17,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: the scheduler's queues hold and remove exact objects
 class Sequence:
     request_id: str
     token_ids: list[int]

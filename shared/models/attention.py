@@ -21,13 +21,28 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Decodes of similar context length, attended together over a padded gather."""
+
+    start: int  # first decode row of the group
+    block_tables: torch.Tensor  # [n, max_blocks] int64, padded with 0
+    context_lens: torch.Tensor  # [n] int64, the current token included
+    max_context_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) of each token
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64, padded with 0
-    decode_context_lens: torch.Tensor | None  # [D] int64, the current token included
-    decode_max_context_len: int
+    decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillChunk, ...]
+    # reusable gather buffers (K, V), each [>= max gathered blocks, block_size, Hkv, D]; fresh
+    # allocations of this size cost more in page faults than the copy itself on CPU
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def store_kvcache(
@@ -45,24 +60,36 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -
     return cache.index_select(0, block_table).flatten(0, 1)[:length]
 
 
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+    if buffer is None or buffer.shape[0] < blocks.numel():
+        return cache.index_select(0, blocks)
+    return torch.index_select(cache, 0, blocks, out=buffer[: blocks.numel()])
+
+
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     # q: [D, H, Dh] -> out [D, H, Dh]
-    num_seqs, max_blocks = meta.decode_block_tables.shape
+    out = torch.empty_like(q) if len(meta.decode_groups) > 1 else None
     block_size = k_cache.shape[1]
-    span = meta.decode_max_context_len
-    k = k_cache.index_select(0, meta.decode_block_tables.flatten()).view(num_seqs, max_blocks * block_size, *k_cache.shape[2:])
-    v = v_cache.index_select(0, meta.decode_block_tables.flatten()).view(num_seqs, max_blocks * block_size, *v_cache.shape[2:])
-    # k, v: [D, S, Hkv, Dh] -> [D, Hkv, S, Dh]
-    k = k[:, :span].transpose(1, 2)
-    v = v[:, :span].transpose(1, 2)
-    mask = None
-    if num_seqs > 1:
-        positions = torch.arange(span, device=q.device)
-        mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    kbuf, vbuf = meta.workspace or (None, None)
+    for group in meta.decode_groups:
+        n, width = group.block_tables.shape
+        span = group.max_context_len
+        blocks = group.block_tables.flatten()
+        # k, v: [n, S, Hkv, Dh] -> [n, Hkv, S, Dh]
+        k = _gather(k_cache, blocks, kbuf).view(n, width * block_size, *k_cache.shape[2:])[:, :span].transpose(1, 2)
+        v = _gather(v_cache, blocks, vbuf).view(n, width * block_size, *v_cache.shape[2:])[:, :span].transpose(1, 2)
+        mask = None
+        if n > 1:
+            positions = torch.arange(span, device=q.device)
+            mask = (positions[None, :] < group.context_lens[:, None])[:, None, None, :]
+        rows = q[group.start : group.start + n].unsqueeze(2)
+        result = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
+        if out is None:
+            return result
+        out[group.start : group.start + n] = result
+    return out
 
 
 def prefill_attention(

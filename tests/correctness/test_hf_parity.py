@@ -55,8 +55,7 @@ def test_prefill_logits_match(checkpoint):
     caches = [(k.clone(), k.clone()) for _ in range(config.num_layers)]
     table = torch.arange(num_blocks)
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(len(prompt)), num_decode_tokens=0, decode_block_tables=None,
-        decode_context_lens=None, decode_max_context_len=0,
+        slot_mapping=torch.arange(len(prompt)), num_decode_tokens=0, decode_groups=(),
         prefills=(PrefillChunk(0, len(prompt), len(prompt), table),),
     )
     with torch.no_grad():

@@ -1,0 +1,323 @@
+"""AsyncLLMEngine on the tiny model: streaming, concurrency, aborts from every side, stats snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine import AsyncLLMEngine, GenerationRequest, LLMEngine, TokenDelta
+from pdserve.models.tiny import ensure_tiny_checkpoint
+from pdserve.sampling_params import SamplingParams
+
+NUM_BLOCKS = 48
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+SETTLE_S = 10.0
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_checkpoint(tmp_path_factory.mktemp("tiny-async"))
+
+
+def make_engine(tiny_dir: Path, **scheduler) -> AsyncLLMEngine:
+    return AsyncLLMEngine(LLMEngine(EngineConfig(
+        model=str(tiny_dir), device="cpu", dtype="float32",
+        cache=CacheConfig(num_blocks=NUM_BLOCKS, block_size=16), scheduler=SchedulerConfig(**scheduler),
+    )))
+
+
+def request(request_id: str, prompt: bytes, max_tokens: int = 8, **params) -> GenerationRequest:
+    sampling = SamplingParams(max_tokens=max_tokens, **(GREEDY | params))
+    return GenerationRequest(request_id, tuple(prompt), sampling)
+
+
+async def collect(engine: AsyncLLMEngine, req: GenerationRequest) -> list[TokenDelta]:
+    return [delta async for delta in engine.generate(req)]
+
+
+def tokens_of(stream: list[TokenDelta]) -> list[int]:
+    return [t for d in stream for t in d.token_ids]
+
+
+def is_idle(engine: AsyncLLMEngine) -> bool:
+    core = engine.engine
+    return not core.requests and core.block_manager.num_free_blocks == NUM_BLOCKS and not engine._queues
+
+
+async def settle(engine: AsyncLLMEngine) -> None:
+    """Waits (bounded) until every request is gone and the whole pool is free."""
+    for _ in range(int(SETTLE_S / 0.01)):
+        if is_idle(engine):
+            return
+        await asyncio.sleep(0.01)
+    core = engine.engine
+    free, queues = core.block_manager.num_free_blocks, list(engine._queues)
+    pytest.fail(f"engine did not settle: requests={list(core.requests)} free={free} queues={queues}")
+
+
+PROMPTS = [b"first prompt", b"the second, somewhat longer prompt of the batch", b"3", b"fourth prompt here"]
+MAX_TOKENS = [12, 5, 9, 16]
+
+
+def test_concurrent_generates_match_sequential(tiny_dir: Path) -> None:
+    async def main() -> None:
+        engine = make_engine(tiny_dir)
+        try:
+            cases = list(enumerate(zip(PROMPTS, MAX_TOKENS)))
+            sequential = [await collect(engine, request(f"s{i}", p, n)) for i, (p, n) in cases]
+            concurrent = await asyncio.gather(
+                *(collect(engine, request(f"c{i}", p, n)) for i, (p, n) in cases)
+            )
+            for seq, con, n in zip(sequential, concurrent, MAX_TOKENS):
+                assert tokens_of(con) == tokens_of(seq) and len(tokens_of(seq)) == n
+                assert "".join(d.text for d in con) == "".join(d.text for d in seq)
+                assert con[-1].finished and con[-1].finish_reason == "length"
+            await settle(engine)
+            assert engine.engine.step_times  # it really stepped
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_invalid_request_raises_on_first_iteration_and_holds_nothing(tiny_dir: Path) -> None:
+    async def main() -> None:
+        engine = make_engine(tiny_dir, max_model_len=32)
+        try:
+            with pytest.raises(ValueError):
+                await collect(engine, request("long", b"x" * 30, max_tokens=8))
+            with pytest.raises(ValueError):
+                await collect(engine, GenerationRequest("oov", (1, 10_000)))
+            assert is_idle(engine) and not engine._queues
+            assert len(tokens_of(await collect(engine, request("ok", b"x" * 24, max_tokens=8)))) == 8
+            await settle(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_abort_before_the_first_token(tiny_dir: Path) -> None:
+    async def main() -> None:
+        # a long prompt in 16-token chunks takes several steps before its first token
+        engine = make_engine(tiny_dir, max_num_batched_tokens=16, max_num_seqs=4)
+        try:
+            agen = engine.generate(request("early", b"y" * 200, max_tokens=8))
+            first = asyncio.ensure_future(agen.__anext__())
+            await asyncio.sleep(0)
+            seq = engine.engine.requests["early"].seq
+            # admitted, not yet stepped (the loop task runs after us): the snapshot already shows it
+            snap = engine.stats()
+            assert (snap.num_waiting, snap.queued_prefill_tokens, snap.recent_step_times_s) == (1, 200, ())
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            await settle(engine)
+            assert seq.finish_reason == "abort" and seq.num_output_tokens == 0
+            assert engine.engine.scheduler.num_waiting == engine.engine.scheduler.num_running == 0
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_abort_by_breaking_out_of_the_stream(tiny_dir: Path) -> None:
+    async def main() -> None:
+        engine = make_engine(tiny_dir)
+        try:
+            other = asyncio.create_task(collect(engine, request("other", b"keeps going", max_tokens=20)))
+            received = []
+            async for delta in engine.generate(request("brk", b"break out of me", max_tokens=200)):
+                received.append(delta)
+                seq = engine.engine.requests["brk"].seq
+                if len(received) == 3:
+                    break
+            assert not received[-1].finished
+            done = await other  # the other stream is not disturbed
+            assert len(tokens_of(done)) == 20 and done[-1].finish_reason == "length"
+            await settle(engine)
+            assert seq.finish_reason == "abort"  # stopped, not left to run to max_tokens
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_abort_by_cancelling_the_consumer_task(tiny_dir: Path) -> None:
+    async def main() -> None:
+        engine = make_engine(tiny_dir)
+        try:
+            got_two = asyncio.Event()
+            received: list[TokenDelta] = []
+            seqs = []
+
+            async def consume() -> None:
+                async for delta in engine.generate(request("cancel-me", b"cancel this one", max_tokens=200)):
+                    received.append(delta)
+                    if len(received) == 2:
+                        seqs.append(engine.engine.requests["cancel-me"].seq)
+                        got_two.set()
+
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(got_two.wait(), SETTLE_S)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await settle(engine)
+            assert not any(d.finished for d in received)
+            assert seqs[0].finish_reason == "abort"
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_abort_from_outside_ends_the_stream(tiny_dir: Path) -> None:
+    async def main() -> None:
+        engine = make_engine(tiny_dir)
+        try:
+            received: list[TokenDelta] = []
+            got_one = asyncio.Event()
+
+            async def consume() -> None:
+                async for delta in engine.generate(request("ext", b"aborted by the server", max_tokens=200)):
+                    received.append(delta)
+                    got_one.set()
+
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(got_one.wait(), SETTLE_S)
+            assert await engine.abort("ext")
+            snap = engine.stats()  # taken by the abort itself, no step since
+            assert snap.num_running == snap.num_waiting == 0 and snap.num_free_blocks == NUM_BLOCKS
+            await asyncio.wait_for(task, SETTLE_S)  # the consumer is told, it does not hang
+            assert received[-1].finished and received[-1].finish_reason == "abort"
+            assert not await engine.abort("ext")
+            await settle(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_many_aborts_at_random_points_leak_nothing(tiny_dir: Path) -> None:
+    async def main() -> None:
+        engine = make_engine(tiny_dir, max_num_batched_tokens=64, max_num_seqs=4)
+        try:
+            seqs = {}
+
+            async def consume(i: int) -> int:
+                n = 0
+                prompt = bytes([65 + i]) * (10 + 7 * i)
+                async for _ in engine.generate(request(f"m{i}", prompt, max_tokens=400)):
+                    seqs[i] = engine.engine.requests[f"m{i}"].seq
+                    n += 1
+                    if n == i % 4 + 1:
+                        break
+                return n
+
+            tasks = [asyncio.create_task(consume(i)) for i in range(8)]
+            await asyncio.sleep(0.05)
+            tasks[7].cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert isinstance(results[7], asyncio.CancelledError) or results[7] == 4
+            await settle(engine)
+            assert engine.stats().num_free_blocks == NUM_BLOCKS
+            assert all(seq.finish_reason == "abort" for seq in seqs.values()) and len(seqs) >= 7
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_stats_snapshot_while_requests_run(tiny_dir: Path) -> None:
+    async def main() -> None:
+        engine = make_engine(tiny_dir, max_num_seqs=2)
+        try:
+            idle = engine.stats()
+            assert (idle.num_waiting, idle.num_running, idle.queued_prefill_tokens) == (0, 0, 0)
+            assert idle.num_free_blocks == idle.num_total_blocks == NUM_BLOCKS and idle.block_size == 16
+            assert idle.recent_step_times_s == () and idle.num_leased_blocks == 0
+            started = [asyncio.Event() for _ in range(2)]
+            outs: list[list[TokenDelta]] = [[], [], []]
+
+            async def consume(i: int, prompt: bytes, max_tokens: int) -> list[TokenDelta]:
+                async for delta in engine.generate(request(f"st{i}", prompt, max_tokens=max_tokens)):
+                    outs[i].append(delta)
+                    if i < 2:
+                        started[i].set()
+                return outs[i]
+
+            async def steps_later(n: int) -> None:
+                target = len(outs[0]) + n
+                while len(outs[0]) < target:
+                    await asyncio.sleep(0.001)
+
+            # two long-running requests fill max_num_seqs=2; they are aborted once the snapshot is checked
+            tasks = [asyncio.create_task(consume(i, bytes([97 + i]) * (20 + i), 1500)) for i in range(2)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), SETTLE_S)
+            tasks.append(asyncio.create_task(consume(2, b"w" * 37, 10)))
+            await asyncio.sleep(0)
+            await asyncio.wait_for(steps_later(2), SETTLE_S)  # the third is queued and two steps ran since
+            snap = engine.stats()
+            assert snap.num_running == 2 and snap.num_waiting == 1
+            assert snap.queued_prefill_tokens == 37
+            assert snap.num_total_blocks == NUM_BLOCKS and snap.num_free_blocks <= NUM_BLOCKS - 4
+            assert snap.recent_step_times_s and all(t > 0 for t in snap.recent_step_times_s)
+            assert len(snap.recent_step_tokens) == len(snap.recent_step_times_s)
+            assert snap.recent_step_tokens[-1] == 2  # two decodes a step while the third waits
+            assert snap.prefix_queried_tokens >= 41
+            assert all(await asyncio.gather(engine.abort("st0"), engine.abort("st1")))
+            await asyncio.wait_for(asyncio.gather(*tasks), SETTLE_S)
+            assert [o[-1].finish_reason for o in outs] == ["abort", "abort", "length"]
+            assert len(tokens_of(outs[2])) == 10
+            await settle(engine)
+            done = engine.stats()
+            assert (done.num_waiting, done.num_running, done.queued_prefill_tokens) == (0, 0, 0)
+            assert done.num_free_blocks == NUM_BLOCKS and done.num_leased_blocks == 0
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_close_ends_open_streams(tiny_dir: Path) -> None:
+    async def main() -> None:
+        engine = make_engine(tiny_dir)
+        got_one = asyncio.Event()
+        received: list[TokenDelta] = []
+
+        async def consume() -> None:
+            async for delta in engine.generate(request("open", b"still streaming at close", max_tokens=500)):
+                received.append(delta)
+                got_one.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(got_one.wait(), SETTLE_S)
+        await engine.close()
+        await asyncio.wait_for(task, SETTLE_S)
+        assert received[-1].finished and received[-1].finish_reason == "abort"
+        assert is_idle(engine)
+
+    asyncio.run(main())
+
+
+def test_reserved_lease_expires_on_an_idle_engine(tiny_dir: Path) -> None:
+    async def main() -> None:
+        engine = AsyncLLMEngine(LLMEngine(EngineConfig(
+            model=str(tiny_dir), device="cpu", dtype="float32", lease_ttl_s=0.0,
+            cache=CacheConfig(num_blocks=NUM_BLOCKS, block_size=16),
+        )))
+        try:
+            lease = await engine.reserve_kv(40)
+            assert len(lease.block_ids) == 3 and engine.stats().num_leased_blocks == 3
+            await settle(engine)  # nothing else runs: the loop itself must expire it
+            assert not engine.engine.leases.leases
+            assert not await engine.release_lease(lease.lease_id)
+            assert engine.stats().num_free_blocks == NUM_BLOCKS
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
