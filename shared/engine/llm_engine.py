@@ -169,7 +169,10 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
             finished = reason is not None or handoff is not None
             if finished:
-                text += state.detokenizer.flush() if stop_reason is None or isinstance(stop_reason, int) else ""
+                # Held text (a partial character, a stop-string prefix) stays with the engine that adopts the
+                # handoff: its detokenizer replays the first token and holds the same text.
+                if handoff is None and (stop_reason is None or isinstance(stop_reason, int)):
+                    text += state.detokenizer.flush()
                 del self.requests[seq.request_id]
             outputs.append(TokenDelta(
                 request_id=seq.request_id, token_ids=(token,), text=text, finished=finished,

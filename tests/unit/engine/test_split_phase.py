@@ -123,6 +123,38 @@ def test_prefill_then_adopt_on_the_same_engine(engine: LLMEngine, reference: LLM
     assert rest[-1].finish_reason == "length" and rest[-1].num_output_tokens == MAX_TOKENS
 
 
+def first_token_case(reference: LLMEngine, predicate) -> tuple[tuple[int, ...], int]:
+    """A prompt whose greedy first token satisfies `predicate`."""
+    for salt in range(100, 400):
+        prompt = prompt_of(20, salt=salt)
+        (delta,) = run(reference, GenerationRequest("probe", prompt, params(max_tokens=1)))["probe"]
+        if predicate(delta.token_ids[0]):
+            return prompt, delta.token_ids[0]
+    pytest.fail("no probe prompt has a first token of the wanted kind")
+
+
+@pytest.mark.parametrize("held", ["utf8-lead-byte", "stop-prefix"])
+def test_text_held_at_the_handoff_is_streamed_once(engine: LLMEngine, reference: LLMEngine, held) -> None:
+    # The first token's text may be held back (half a character, or the start of a stop string):
+    # prefill text + adopted text must equal the plain stream's text, nothing emitted twice.
+    if held == "utf8-lead-byte":
+        prompt, first = first_token_case(reference, lambda t: 0xC2 <= t <= 0xF4)
+        sampling = params()
+    else:
+        prompt, first = first_token_case(reference, lambda t: t < 128 and chr(t).isalnum())
+        stop = (chr(first) + "\x00",)
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop=stop)
+    plain = run(reference, GenerationRequest("plain", prompt, sampling))["plain"]
+    (pre,) = run(engine, GenerationRequest("pre", prompt, sampling, prefill_only=True))["pre"]
+    assert pre.token_ids == (first,) and pre.text == ""  # all of it is held
+    adopted = GenerationRequest(
+        "dec", prompt, sampling, adopt_lease_id=pre.kv_handoff.lease_id, first_token_id=first
+    )
+    rest = run(engine, adopted)["dec"]
+    assert [first, *tokens_of(rest)] == tokens_of(plain)
+    assert pre.text + "".join(d.text for d in rest) == "".join(d.text for d in plain)
+
+
 def test_prefill_on_one_engine_decode_on_another(engine: LLMEngine, engine_b: LLMEngine, reference) -> None:
     prompt = prompt_of(40, salt=1)
     plain = tokens_of(greedy(reference, prompt))
