@@ -79,7 +79,6 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         num_hashable = (len(seq) - 1) // self.block_size
-        self.num_prefix_queried_tokens += len(seq)
         parent = None
         for index in range(num_hashable):
             h = block_hash(parent, seq.block_tokens(index))
@@ -90,9 +89,12 @@ class BlockManager:
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
             parent = h
-        num_hit = len(seq.block_table) * self.block_size
+        return len(seq.block_table) * self.block_size
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Count a lookup once, when its sequence is admitted (a retried admission is not recounted)."""
+        self.num_prefix_queried_tokens += num_queried
         self.num_prefix_hit_tokens += num_hit
-        return num_hit
 
     def num_blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, seq.blocks_needed(num_tokens) - len(seq.block_table))

@@ -71,6 +71,13 @@ class LLMEngine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) exceeds "
                 f"the model's context length {self.max_model_len}"
             )
+        needed = -(-(len(prompt) + request.params.max_tokens) // self.block_manager.block_size)
+        if needed > self.block_manager.num_blocks:
+            # It could never run to completion: it would preempt itself forever.
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) needs {needed} KV "
+                f"blocks, more than this engine's pool of {self.block_manager.num_blocks}"
+            )
         seq = Sequence(
             request.request_id, prompt, request.params, self.block_manager.block_size,
             eos_token_ids=self.tokenizer.eos_token_ids, prefill_only=request.prefill_only,

@@ -110,6 +110,7 @@ class Scheduler:
                 self._reset(seq)
                 break
             self.block_manager.grow(seq, seq.num_computed_tokens + num_new)
+            self.block_manager.record_prefix_lookup(len(seq), seq.num_cached_tokens)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

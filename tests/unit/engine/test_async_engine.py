@@ -256,7 +256,7 @@ def test_stats_snapshot_while_requests_run(tiny_dir: Path) -> None:
                     await asyncio.sleep(0.001)
 
             # two long-running requests fill max_num_seqs=2; they are aborted once the snapshot is checked
-            tasks = [asyncio.create_task(consume(i, bytes([97 + i]) * (20 + i), 1500)) for i in range(2)]
+            tasks = [asyncio.create_task(consume(i, bytes([97 + i]) * (20 + i), 600)) for i in range(2)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), SETTLE_S)
             tasks.append(asyncio.create_task(consume(2, b"w" * 37, 10)))
             await asyncio.sleep(0)

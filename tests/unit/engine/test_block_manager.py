@@ -122,8 +122,10 @@ def test_match_prefix_hits_registered_blocks_and_counts_stats():
     b = make_seq(prompt + [7, 7, 7])
     assert bm.match_prefix(b) == 12
     assert b.block_hashes == chained_hashes(prompt, 3)
+    assert bm.num_prefix_hit_tokens == 0  # counted on admission, by the scheduler
+    bm.record_prefix_lookup(len(b), 12)
     assert bm.num_prefix_hit_tokens == 12
-    assert bm.num_prefix_queried_tokens == len(prompt) + len(b)
+    assert bm.num_prefix_queried_tokens == len(b)
 
 
 def test_chained_hash_same_block_after_different_prefix_does_not_hit():

@@ -389,3 +389,24 @@ def test_abort_at_any_point_never_leaks_blocks(workload, aborts):
             assert seq.output_token_ids == expected_outputs(seq)
     assert bm.num_free_blocks == start == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_prefix_stats_count_each_admission_once():
+    bm = BlockManager(8, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    first = Sequence("a", list(range(10, 19)), SamplingParams(max_tokens=1), 4)
+    sched.add(first)
+    sched.schedule()
+    first.num_computed_tokens = len(first)
+    bm.register_full_blocks(first)
+    sched.finish(first, "stop")
+    hog = bm.allocate_blocks(6)  # leave the 2 cached blocks: the prefix matches, the 3rd block cannot be had
+    second = Sequence("b", list(range(10, 19)) + [5, 5, 5], SamplingParams(max_tokens=1), 4)
+    sched.add(second)
+    for _ in range(3):
+        assert not sched.schedule().prefills
+    assert bm.num_prefix_queried_tokens == len(first)
+    bm.release_blocks(hog)
+    sched.schedule()
+    assert bm.num_prefix_queried_tokens == len(first) + len(second)
+    assert bm.num_prefix_hit_tokens == 8
