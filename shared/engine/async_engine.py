@@ -76,6 +76,10 @@ class AsyncLLMEngine:
             self._stats = self.engine.stats()
         return released
 
+    async def release_lease_quietly(self, lease_id: str) -> None:
+        """Release callback for KV transports (an already-expired lease is not an error)."""
+        await self.release_lease(lease_id)
+
     def stats(self) -> EngineStats:
         """Snapshot as of the last step, admission, abort or lease change."""
         return self._stats

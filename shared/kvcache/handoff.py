@@ -1,0 +1,90 @@
+"""Both ends of a KV handoff around an engine: export after prefill, import (or fall back) before decode.
+
+A fallback is never silent: every one is counted by reason, and the caller prefills locally.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from pdserve.engine.async_engine import AsyncLLMEngine
+from pdserve.engine.outputs import KVHandoff
+from pdserve.kvcache.layout import KVLayout, LayoutMismatch, layout_of
+from pdserve.kvcache.params import HandoffParams
+from pdserve.kvcache.pool import KVPoolIO
+from pdserve.kvcache.transports.base import KVTransferError, KVTransport
+from pdserve.kvcache.wire import WireError
+
+
+def engine_layout(engine: AsyncLLMEngine) -> KVLayout:
+    core = engine.engine
+    return layout_of(core.model_config, core.runner.kv_pool.dtype, core.block_manager.block_size)
+
+
+def engine_pool(engine: AsyncLLMEngine) -> KVPoolIO:
+    return KVPoolIO(engine.engine.runner.kv_pool)
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    lease_id: str | None  # reserved blocks now holding the KV; None when falling back
+    fallback_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.lease_id is not None
+
+
+class KVExporter:
+    """Prefill side: hands a finished prefill's leased blocks to the transport."""
+
+    def __init__(self, engine: AsyncLLMEngine, transport: KVTransport) -> None:
+        self.engine = engine
+        self.transport = transport
+
+    async def export(self, handoff: KVHandoff) -> HandoffParams:
+        try:
+            return await self.transport.export(
+                handoff.lease_id, list(handoff.block_ids), list(handoff.block_hashes), handoff.num_tokens
+            )
+        except Exception:
+            await self.engine.release_lease(handoff.lease_id)
+            raise
+
+
+class KVImporter:
+    """Decode side: reserve blocks, pull into them, or release them and report a fallback."""
+
+    def __init__(self, engine: AsyncLLMEngine, transport: KVTransport) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.fallbacks: Counter[str] = Counter()
+
+    async def import_kv(self, params: HandoffParams) -> ImportResult:
+        if params.layout_hash != self.transport.layout.layout_hash:
+            return self._fallback("layout_mismatch", f"peer layout {params.layout_hash:#018x} != ours")
+        try:
+            lease = await self.engine.reserve_kv(params.num_tokens)
+        except MemoryError as exc:
+            return self._fallback("no_kv_capacity", str(exc))
+        try:
+            await self.transport.pull(params, list(lease.block_ids))
+        except LayoutMismatch as exc:
+            await self.engine.release_lease(lease.lease_id)
+            return self._fallback("layout_mismatch", str(exc))
+        except WireError as exc:
+            await self.engine.release_lease(lease.lease_id)
+            return self._fallback("corrupt_payload", str(exc))
+        except (KVTransferError, TimeoutError, OSError) as exc:
+            await self.engine.release_lease(lease.lease_id)
+            return self._fallback("transfer_failed", str(exc))
+        except BaseException:
+            await self.engine.release_lease(lease.lease_id)
+            raise
+        return ImportResult(lease.lease_id)
+
+    def _fallback(self, reason: str, error: str) -> ImportResult:
+        self.fallbacks[reason] += 1
+        return ImportResult(None, reason, error)

@@ -1,0 +1,48 @@
+"""Byte-level access to the engine's KV pool, one block at a time (a block is contiguous)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class KVPoolIO:
+    def __init__(self, kv_pool: torch.Tensor) -> None:
+        # kv_pool: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous
+        if not kv_pool.is_contiguous():
+            raise ValueError("KV pool must be contiguous")
+        self.kv_pool = kv_pool
+        self.num_blocks = kv_pool.shape[0]
+        self.block_nbytes = kv_pool[0].numel() * kv_pool.element_size()
+        self._bytes = kv_pool.view(self.num_blocks, -1).view(torch.uint8)  # [num_blocks, block_nbytes]
+
+    @property
+    def is_host(self) -> bool:
+        return self.kv_pool.device.type == "cpu"
+
+    def block_tensor(self, block_id: int) -> torch.Tensor:
+        """The block's bytes as a uint8 tensor viewing the pool (host or device memory)."""
+        self._check(block_id)
+        return self._bytes[block_id]
+
+    def block_buffer(self, block_id: int) -> memoryview:
+        """Host memoryview aliasing the pool block (CPU pools only)."""
+        if not self.is_host:
+            raise ValueError("block_buffer needs a host pool; use block_tensor on devices")
+        return memoryview(self.block_tensor(block_id).numpy())
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
+        if self.is_host:
+            return [self.block_buffer(b) for b in block_ids]
+        return [memoryview(self.block_tensor(b).cpu().numpy()) for b in block_ids]
+
+    def write_block(self, block_id: int, data: memoryview | bytes) -> None:
+        source = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)
+        if source.numel() != self.block_nbytes:
+            raise ValueError(f"block payload is {source.numel()} bytes, expected {self.block_nbytes}")
+        self.block_tensor(block_id).copy_(source)
+
+    def _check(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} outside the pool of {self.num_blocks}")

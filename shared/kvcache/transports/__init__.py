@@ -1,0 +1,28 @@
+"""KV transports behind one ABC; `create_transport(name, ...)` builds one from the registry."""
+
+from __future__ import annotations
+
+from pdserve.kvcache.transports.base import KVTransferError, KVTransport, ReleaseFn
+
+TRANSPORTS: dict[str, str] = {
+    "local": "pdserve.kvcache.transports.local:LocalTransport",
+    "redis": "pdserve.kvcache.transports.redis:RedisTransport",
+    "ucx": "pdserve.kvcache.transports.ucx:UCXTransport",
+}
+
+
+def transport_class(name: str) -> type[KVTransport]:
+    import importlib
+
+    try:
+        module, _, attr = TRANSPORTS[name].partition(":")
+    except KeyError:
+        raise ValueError(f"unknown KV transport {name!r}; known: {sorted(TRANSPORTS)}") from None
+    return getattr(importlib.import_module(module), attr)
+
+
+def create_transport(name: str, *args, **kwargs) -> KVTransport:
+    return transport_class(name)(*args, **kwargs)
+
+
+__all__ = ["TRANSPORTS", "KVTransferError", "KVTransport", "ReleaseFn", "create_transport", "transport_class"]

@@ -1,0 +1,58 @@
+"""KV transport contract. One instance per worker, bound to that worker's pool and layout."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from typing import ClassVar
+
+from pdserve.kvcache.layout import KVLayout
+from pdserve.kvcache.params import HandoffParams
+from pdserve.kvcache.pool import KVPoolIO
+
+# Called on the exporting side once a lease's blocks are no longer needed there.
+ReleaseFn = Callable[[str], Awaitable[None]]
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed (peer gone, store down, timeout); the destination blocks must be discarded."""
+
+
+class KVTransport(ABC):
+    """Moves the KV blocks of one request from a prefill pool into a decode pool.
+
+    Exporting side: `export(lease_id, block_ids, block_hashes, num_tokens)` makes the leased blocks
+    available and returns HandoffParams; the transport calls `release(lease_id)` when the blocks
+    may be freed (pulled and confirmed, or copied out to a store). Leases it never releases expire
+    in the engine.
+
+    Importing side: `pull(params, dest_block_ids)` fills the given blocks (reserved, not yet
+    visible to any sequence) and verifies them before returning. On any error it raises
+    (WireError, LayoutMismatch, KVTransferError) and the caller releases the reservation.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, pool: KVPoolIO, layout: KVLayout, release: ReleaseFn | None = None) -> None:
+        self.pool = pool
+        self.layout = layout
+        self.release = release
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Open listeners or connections."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Close listeners and connections."""
+
+    @abstractmethod
+    async def export(
+        self, lease_id: str, block_ids: list[int], block_hashes: list[int], num_tokens: int
+    ) -> HandoffParams: ...
+
+    @abstractmethod
+    async def pull(self, params: HandoffParams, dest_block_ids: list[int]) -> None: ...
+
+    def _check_pull(self, params: HandoffParams, dest_block_ids: list[int]) -> None:
+        self.layout.check_compatible(params.layout_hash)
+        if len(dest_block_ids) != len(params.block_ids):
+            raise ValueError(f"{len(dest_block_ids)} destination blocks for {len(params.block_ids)} source blocks")
