@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -38,10 +39,13 @@ class KVPoolIO:
         return [memoryview(self.block_tensor(b).cpu().numpy()) for b in block_ids]
 
     def write_block(self, block_id: int, data: memoryview | bytes) -> None:
-        source = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)
-        if source.numel() != self.block_nbytes:
-            raise ValueError(f"block payload is {source.numel()} bytes, expected {self.block_nbytes}")
-        self.block_tensor(block_id).copy_(source)
+        source = np.frombuffer(data, dtype=np.uint8)  # read-only views are fine: we only read them
+        if source.size != self.block_nbytes:
+            raise ValueError(f"block payload is {source.size} bytes, expected {self.block_nbytes}")
+        if self.is_host:
+            self.block_tensor(block_id).numpy()[:] = source
+        else:
+            self.block_tensor(block_id).copy_(torch.from_numpy(source.copy()))
 
     def _check(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

@@ -1,0 +1,54 @@
+"""Ray Serve deployment of the kvstore and its `build_app(config) -> Application`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from pdserve.services.kvstore.config import KVStoreConfig
+from pdserve.services.kvstore.store import KVStore, KVStoreUnavailable
+
+
+@serve.deployment(name="kvstore", ray_actor_options={"num_cpus": 0})
+class KVStoreDeployment:
+    """Thin Serve wrapper: the router and workers call it through Serve handles."""
+
+    def __init__(self, config: dict[str, Any], store: KVStore | None = None) -> None:
+        self.config = KVStoreConfig.model_validate(config)
+        self.store = store or KVStore(self.config)
+        self.policy_error: str | None = None
+
+    async def _ensure_policy(self) -> None:
+        # Applied lazily so a Redis that is down at startup does not crash the replica.
+        if self.policy_error is None or self.policy_error:
+            try:
+                await self.store.apply_policy()
+                self.policy_error = ""
+            except KVStoreUnavailable as exc:
+                self.policy_error = str(exc)
+
+    async def lookup_prefix(self, layout_hash: int, block_hashes: list[int]) -> int:
+        """Leading blocks of the chain present in the store; 0 when Redis is unreachable."""
+        await self._ensure_policy()
+        try:
+            return await self.store.lookup_prefix(int(layout_hash), [int(h) for h in block_hashes])
+        except KVStoreUnavailable:
+            return 0
+
+    async def stats(self) -> dict[str, Any]:
+        await self._ensure_policy()
+        try:
+            return {"healthy": True, **await self.store.stats()}
+        except KVStoreUnavailable as exc:
+            return {"healthy": False, "error": str(exc)}
+
+    async def check_health(self) -> None:
+        # Serve's replica health check; an unreachable Redis degrades lookups but keeps the replica.
+        return None
+
+
+def build_app(config: KVStoreConfig | dict[str, Any]) -> Application:
+    cfg = config if isinstance(config, KVStoreConfig) else KVStoreConfig.model_validate(config)
+    return KVStoreDeployment.options(num_replicas=cfg.num_replicas).bind(cfg.model_dump())
