@@ -33,6 +33,11 @@ def _bench(args: argparse.Namespace) -> int:
         from pdserve.bench.engine import run
 
         result = run(quick=args.quick, seed=args.seed)
+    elif args.target == "transfer":
+        from pdserve.bench.transfer import run
+
+        sizes = [1, 16] if args.quick else None
+        result = run(sizes_mib=sizes, transports=args.transports.split(",") if args.transports else None)
     else:
         raise SystemExit(f"unknown bench target {args.target!r}")
     print(json.dumps(result, indent=None if args.json else 2))
@@ -52,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
-    bench.add_argument("target", choices=["engine"])
+    bench.add_argument("target", choices=["engine", "transfer"])
+    bench.add_argument("--transports", default=None, help="transfer: comma-separated subset of local,redis,ucx")
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     bench.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,135 @@
+"""`pdserve bench transfer`: move one request's KV over each transport, against memcpy and raw Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+import uuid
+
+import redis.asyncio as aioredis
+import torch
+
+from pdserve.bench.roofline import best_time
+from pdserve.kvcache.layout import KVLayout
+from pdserve.kvcache.pool import KVPoolIO
+from pdserve.kvcache.transports.base import KVTransport
+from pdserve.kvcache.transports.local import LocalHub, LocalTransport
+from pdserve.kvcache.transports.redis import RedisTransport
+from pdserve.redis_server import RedisServer
+
+MIB = 1 << 20
+LAYOUTS = {  # (num_layers, num_kv_heads, head_dim) of the tiny and the ~125M bench model, block 16, fp32
+    "tiny": KVLayout("tiny", "float32", 4, 4, 32, 16),
+    "llama-125m": KVLayout("llama-125m", "float32", 12, 4, 64, 16),
+}
+
+
+def _log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def _pool(layout: KVLayout, num_blocks: int) -> KVPoolIO:
+    shape = (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    return KVPoolIO(torch.randn(shape, dtype=getattr(torch, layout.dtype)))
+
+
+def memcpy_gb_s(nbytes: int, repeats: int = 5) -> float:
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return nbytes / best_time(lambda: dst.copy_(src), repeats) / 1e9
+
+
+async def redis_raw_gb_s(url: str, nbytes: int, repeats: int) -> float:
+    client = aioredis.from_url(url)
+    value = random.randbytes(nbytes)
+    best = float("inf")
+    for _ in range(repeats):
+        key = f"bench-raw-{uuid.uuid4().hex}"
+        start = time.perf_counter()
+        await client.set(key, value)
+        got = await client.get(key)
+        best = min(best, time.perf_counter() - start)
+        assert len(got) == nbytes
+        await client.delete(key)
+    await client.aclose()
+    return nbytes / best / 1e9
+
+
+async def _move(src: KVTransport, dst: KVTransport, num_blocks: int, release_count: list[int]) -> float:
+    """One handoff end to end: export on the prefill pool, pull into the decode pool."""
+    src_ids = list(range(num_blocks))
+    dst_ids = list(range(num_blocks - 1, -1, -1))
+    hashes = [random.getrandbits(64) for _ in src_ids]  # fresh content addresses: nothing deduplicated
+    lease = uuid.uuid4().hex
+    start = time.perf_counter()
+    params = await src.export(lease, src_ids, hashes, num_blocks * src.layout.block_size)
+    await dst.pull(params, dst_ids)
+    elapsed = time.perf_counter() - start
+    if not torch.equal(src.pool.block_tensor(0), dst.pool.block_tensor(dst_ids[0])):
+        raise AssertionError("transferred block differs")
+    return elapsed
+
+
+async def _transport_pair(name: str, layout: KVLayout, num_blocks: int, redis_url: str):
+    released: list[int] = []
+
+    async def release(_lease: str) -> None:
+        released.append(1)
+
+    src_pool, dst_pool = _pool(layout, num_blocks), _pool(layout, num_blocks)
+    if name == "local":
+        hub = LocalHub()
+        return LocalTransport(src_pool, layout, release, hub=hub), LocalTransport(dst_pool, layout, hub=hub), released
+    if name == "redis":
+        src = RedisTransport(src_pool, layout, release, url=redis_url, ttl_s=60, batch_blocks=256)
+        dst = RedisTransport(dst_pool, layout, url=redis_url, batch_blocks=256)
+        return src, dst, released
+    if name == "ucx":
+        from pdserve.kvcache.transports.ucx import UCXTransport
+
+        return UCXTransport(src_pool, layout, release), UCXTransport(dst_pool, layout), released
+    raise ValueError(name)
+
+
+async def _run(sizes_mib: list[int], transports: list[str], repeats: int) -> dict:
+    rows = []
+    with RedisServer() as server:
+        server_raw = {}
+        for size in sizes_mib:
+            server_raw[size] = await redis_raw_gb_s(server.url, size * MIB, repeats)
+            _log(f"redis raw {size} MiB: {server_raw[size]:.2f} GB/s")
+        memcpy = {size: memcpy_gb_s(max(size, 16) * MIB) for size in sizes_mib}
+        for layout_name, layout in LAYOUTS.items():
+            for size in sizes_mib:
+                num_blocks = max(1, size * MIB // layout.block_nbytes)
+                for name in transports:
+                    src, dst, released = await _transport_pair(name, layout, num_blocks, server.url)
+                    await src.start()
+                    await dst.start()
+                    try:
+                        await _move(src, dst, num_blocks, released)  # warm-up: connections, registration
+                        best = min([await _move(src, dst, num_blocks, released) for _ in range(repeats)])
+                    finally:
+                        await dst.close()
+                        await src.close()
+                    nbytes = num_blocks * layout.block_nbytes
+                    gb_s = nbytes / best / 1e9
+                    ref = server_raw[size] if name == "redis" else memcpy[size]
+                    rows.append({
+                        "transport": name, "layout": layout_name, "bytes": nbytes, "num_blocks": num_blocks,
+                        "gb_s": round(gb_s, 3), "ref": "redis_raw_gb_s" if name == "redis" else "memcpy_gb_s",
+                        "ratio": round(gb_s / ref, 3),
+                    })
+                    _log(f"{name:5s} {layout_name:10s} {size:4d} MiB: {gb_s:.2f} GB/s ({gb_s / ref:.2f} of ref)")
+    return {
+        "bench": "transfer",
+        "memcpy_gb_s": {str(k): round(v, 2) for k, v in memcpy.items()},
+        "redis_raw_gb_s": {str(k): round(v, 3) for k, v in server_raw.items()},
+        "rows": rows,
+    }
+
+
+def run(sizes_mib: list[int] | None = None, transports: list[str] | None = None, repeats: int = 3) -> dict:
+    return asyncio.run(_run(sizes_mib or [1, 16, 64, 256], transports or ["local", "redis", "ucx"], repeats))

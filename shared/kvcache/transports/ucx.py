@@ -1,0 +1,405 @@
+"""UCX transport: the decode side pulls a lease's KV blocks straight out of the prefill pool.
+
+One connection carries many pulls, one at a time (tag messages, matched in order):
+
+    importer -> REQUEST   <4s H H 32s I I>  b"PDKQ", version, flags 0, lease id (hex ascii), num_blocks, num_segments
+    importer -> SEGMENTS  num_segments x <I> run lengths; a segment is consecutive in both pools, so one message
+    exporter -> STATUS    <4s H H I> b"PDKS", version, status, detail bytes; then the wire header's fixed prefix
+    exporter -> DETAIL    the rest of the wire header (status OK) or a UTF-8 reason
+    exporter -> PAYLOAD   one message per segment, sent from the pool and received into the pool (zero copy)
+    importer -> ACK       b"\\x01" once the checksums verified; the exporter then releases the lease
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import struct
+from array import array
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from pdserve.kvcache import wire
+from pdserve.kvcache.layout import KVLayout, LayoutMismatch
+from pdserve.kvcache.params import HandoffParams
+from pdserve.kvcache.pool import KVPoolIO
+from pdserve.kvcache.transports.base import KVTransferError, KVTransport, ReleaseFn
+
+logger = logging.getLogger(__name__)
+
+_VERSION = 1
+_REQUEST = struct.Struct("<4sHH32sII")
+_STATUS = struct.Struct("<4sHHI")
+_WIRE_PREFIX = wire._HEAD.size  # the fixed part of the wire header that peek_num_blocks reads
+_OK, _UNKNOWN_LEASE, _BAD_REQUEST = 0, 1, 2
+_MAX_DETAIL = 1024
+_ACK = b"\x01"
+_LEASE_ID = re.compile(r"[0-9a-f]{32}")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class UCXConfig:
+    """UCX/ucxx environment defaults. A variable already set in the environment wins; they are
+    read once per process, when ucxx creates its context (the first transport to start)."""
+
+    tls: str | None = "tcp,cma,self"  # UCX_TLS; None lets UCX pick every transport it finds
+    rndv_scheme: str = "get_zcopy"  # UCX_RNDV_SCHEME
+    progress_mode: str = "thread"  # UCXPY_PROGRESS_MODE
+    python_future: bool = True  # UCXPY_ENABLE_PYTHON_FUTURE
+    warn_unused_env_vars: bool = False  # UCX_WARN_UNUSED_ENV_VARS
+
+    @classmethod
+    def for_pool(cls, pool: KVPoolIO) -> UCXConfig:
+        # CUDA pools: no TLS restriction, so UCX may use rc/dc (GPUDirect RDMA), cuda_ipc and cuda_copy.
+        return cls() if pool.is_host else cls(tls=None)
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {
+            "UCX_RNDV_SCHEME": self.rndv_scheme,
+            "UCXPY_PROGRESS_MODE": self.progress_mode,
+            "UCXPY_ENABLE_PYTHON_FUTURE": "1" if self.python_future else "0",
+            "UCX_WARN_UNUSED_ENV_VARS": "y" if self.warn_unused_env_vars else "n",
+        }
+        if self.tls is not None:
+            env["UCX_TLS"] = self.tls
+        return env
+
+
+def apply_ucx_env(config: UCXConfig) -> dict[str, str]:
+    """Set the config's variables unless already set; returns the values in effect."""
+    return {name: os.environ.setdefault(name, value) for name, value in config.env.items()}
+
+
+_bound_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _ucxx() -> Any:
+    """ucxx, bound to the running loop: its notifier thread serves a single event loop, so a
+    process uses one loop at a time; after that loop closed, the next one resets UCX."""
+    global _bound_loop
+    import ucxx
+
+    loop = asyncio.get_running_loop()
+    if _bound_loop is loop:
+        return ucxx
+    if _bound_loop is not None and not _bound_loop.is_closed():
+        raise KVTransferError("UCX already serves another running event loop in this process")
+    if _bound_loop is not None:
+        try:
+            ucxx.reset()
+        except ucxx.exceptions.UCXError as e:
+            raise KVTransferError(f"cannot rebind UCX to a new event loop (close old transports): {e}") from e
+    try:
+        ucxx.init()
+    except RuntimeError:
+        pass  # initialised by someone else in this loop
+    _bound_loop = loop
+    return ucxx
+
+
+class _Refused(KVTransferError):
+    """The exporter answered with an error status; the connection stays in a clean state."""
+
+
+@dataclass(frozen=True)
+class _Export:
+    block_ids: tuple[int, ...]
+    header: bytes  # wire header, checksums taken at export time
+
+
+class _EndpointPool:
+    """At most `limit` connections to one peer; idle ones are reused, broken ones dropped."""
+
+    def __init__(self, limit: int) -> None:
+        self.slots = asyncio.Semaphore(limit)
+        self.idle: list[Any] = []
+        self.num_created = 0
+
+    def take_idle(self) -> Any | None:
+        while self.idle:
+            ep = self.idle.pop()
+            if not ep.closed:
+                return ep
+            ep.abort()
+        return None
+
+    def put(self, ep: Any, reusable: bool) -> None:
+        if reusable and not ep.closed:
+            self.idle.append(ep)
+        else:
+            ep.abort()  # cancels its posted receives: nothing lands in the pool after this
+        self.slots.release()
+
+    def close(self) -> None:
+        while self.idle:
+            self.idle.pop().abort()
+
+
+class UCXTransport(KVTransport):
+    """Point-to-point pull over UCX. `host` is the address advertised in handoff params (the
+    listener binds every interface); `timeout_s` bounds every single network wait."""
+
+    name: ClassVar[str] = "ucx"
+
+    def __init__(
+        self, pool: KVPoolIO, layout: KVLayout, release: ReleaseFn | None = None, *,
+        host: str = "127.0.0.1", port: int = 0, max_connections: int = 8, timeout_s: float = 10.0,
+        config: UCXConfig | None = None,
+    ) -> None:
+        super().__init__(pool, layout, release)
+        if layout.block_nbytes != pool.block_nbytes:
+            raise LayoutMismatch(f"layout blocks are {layout.block_nbytes} bytes, pool blocks {pool.block_nbytes}")
+        if max_connections < 1 or timeout_s <= 0:
+            raise ValueError("max_connections must be >= 1 and timeout_s > 0")
+        self.host, self.port, self.max_connections, self.timeout_s = host, port, max_connections, timeout_s
+        self.config = config or UCXConfig.for_pool(pool)
+        apply_ucx_env(self.config)
+        self._listener: Any = None
+        self._exports: dict[str, _Export] = {}
+        self._serving: dict[str, _Export] = {}  # claimed by a connection, awaiting the ack
+        self._server_eps: set[Any] = set()
+        self._handlers: set[asyncio.Task] = set()
+        self._peers: dict[tuple[str, int], _EndpointPool] = {}
+        self._closed = False
+
+    @property
+    def num_exports(self) -> int:
+        return len(self._exports) + len(self._serving)
+
+    @property
+    def num_connections_opened(self) -> int:
+        return sum(p.num_created for p in self._peers.values())
+
+    # ---- exporting side ----
+
+    async def start(self) -> None:
+        if self._listener is None:
+            self._listener = _ucxx().create_listener(self._serve, port=self.port)
+            self.port = self._listener.port
+
+    async def export(
+        self, lease_id: str, block_ids: list[int], block_hashes: list[int], num_tokens: int
+    ) -> HandoffParams:
+        if self._listener is None:
+            raise RuntimeError("start() the UCX transport before exporting")
+        if not _LEASE_ID.fullmatch(lease_id):
+            raise ValueError(f"lease id {lease_id!r} is not 32 lowercase hex digits")
+        if lease_id in self._exports or lease_id in self._serving:
+            raise ValueError(f"lease {lease_id} is already exported")
+        params = HandoffParams("ucx", self.layout.layout_hash, lease_id, num_tokens, tuple(block_ids),
+                               tuple(block_hashes), address=self.host, port=self.port)
+        # the table holds one hash per block; a partial tail block has none (0) and is never compared
+        hashes = list(params.block_hashes) + [0] * (len(block_ids) - len(block_hashes))
+        blocks = self.pool.read_blocks(params.block_ids)  # also checks the ids
+        header = wire.encode_header(self.layout.layout_hash, self.pool.block_nbytes, hashes, blocks)
+        self._exports[lease_id] = _Export(params.block_ids, header)
+        return params
+
+    def forget(self, lease_id: str) -> bool:
+        """Drop an export (request aborted); the caller releases the lease in its engine."""
+        return (self._exports.pop(lease_id, None) or self._serving.pop(lease_id, None)) is not None
+
+    async def _serve(self, ep: Any) -> None:
+        task = asyncio.current_task()
+        self._server_eps.add(ep)
+        if task is not None:
+            self._handlers.add(task)
+        try:
+            while not self._closed:
+                request = bytearray(_REQUEST.size)
+                await ep.recv(request)  # idle until the next pull; ends when the peer closes
+                await self._serve_one(ep, request)
+        except (KVTransferError, wire.WireError) as e:
+            logger.warning("UCX export connection dropped: %s", e)
+        except _ucxx().exceptions.UCXError as e:
+            logger.debug("UCX export connection closed: %s", e)
+        finally:
+            self._server_eps.discard(ep)
+            self._handlers.discard(task)
+            ep.abort()
+
+    async def _serve_one(self, ep: Any, request: bytearray) -> None:
+        magic, version, _, raw_lease, num_blocks, num_segments = _REQUEST.unpack(request)
+        if magic != b"PDKQ" or version != _VERSION:
+            raise wire.WireError(f"bad KV pull request (magic {bytes(magic)!r}, version {version})")
+        if not 0 < num_segments <= num_blocks <= wire.DEFAULT_MAX_BLOCKS:
+            raise wire.WireError(f"bad KV pull request: {num_segments} segments for {num_blocks} blocks")
+        lengths = array("I", bytes(4 * num_segments))
+        await self._step(ep.recv(lengths), "receive the pull segments", "importer")
+        lease_id = raw_lease.decode("ascii", "replace")
+        export = self._exports.pop(lease_id, None)
+        if export is None:
+            return await self._refuse(ep, _UNKNOWN_LEASE, f"unknown, expired or busy lease {lease_id}")
+        runs = _runs_of(export.block_ids, list(lengths))
+        if runs is None or len(export.block_ids) != num_blocks:
+            self._exports[lease_id] = export
+            return await self._refuse(ep, _BAD_REQUEST, f"lease {lease_id} has {len(export.block_ids)} blocks; "
+                                      f"request for {num_blocks} in segments {list(lengths)}")
+        self._serving[lease_id] = export
+        is_acked = False
+        try:
+            head = _STATUS.pack(b"PDKS", _VERSION, _OK, len(export.header) - _WIRE_PREFIX)
+            await self._step(ep.send(head + export.header[:_WIRE_PREFIX]), "send the status", "importer")
+            await self._step(ep.send(export.header[_WIRE_PREFIX:]), "send the KV header", "importer")
+            for first, count in runs:
+                await self._step(ep.send(_span(self.pool, first, count)), "send KV blocks", "importer")
+            ack = bytearray(1)
+            await self._step(ep.recv(ack), "wait for the ack", "importer")
+            is_acked = ack == _ACK
+        finally:
+            if self._serving.pop(lease_id, None) is not None:  # not forgotten meanwhile
+                if not is_acked:
+                    self._exports[lease_id] = export  # the importer may retry; expiry or forget() drops it
+                elif self.release is not None:
+                    try:
+                        await self.release(lease_id)
+                    except Exception:
+                        logger.exception("release of lease %s failed", lease_id)
+
+    async def _refuse(self, ep: Any, status: int, reason: str) -> None:
+        detail = reason.encode()[:_MAX_DETAIL]
+        await self._step(ep.send(_STATUS.pack(b"PDKS", _VERSION, status, len(detail)) + bytes(_WIRE_PREFIX)),
+                         "send the status", "importer")
+        await self._step(ep.send(detail), "send the refusal", "importer")
+
+    # ---- importing side ----
+
+    async def pull(self, params: HandoffParams, dest_block_ids: list[int]) -> None:
+        self._check_pull(params, dest_block_ids)
+        if params.transport != self.name or params.address is None or params.port is None:
+            raise ValueError(f"not a UCX handoff with a peer address: {params}")
+        if not _LEASE_ID.fullmatch(params.lease_id):
+            raise ValueError(f"lease id {params.lease_id!r} is not 32 lowercase hex digits")
+        for b in dest_block_ids:
+            self.pool.block_tensor(b)  # IndexError before any I/O
+        segments = _segments(params.block_ids, dest_block_ids)
+        peer = f"{params.address}:{params.port}"
+        ep = await self._acquire(params.address, params.port, peer)
+        endpoints = self._peers[(params.address, params.port)]
+        try:
+            await self._exchange(ep, params, dest_block_ids, segments, peer)
+        except BaseException as exc:
+            refused = isinstance(exc, _Refused)
+            endpoints.put(ep, reusable=refused and not self._closed)
+            if not refused:
+                for b in dest_block_ids:  # only after the abort above: no receive can still land
+                    self.pool.block_tensor(b).zero_()
+            raise
+        endpoints.put(ep, reusable=not self._closed)
+
+    async def _acquire(self, address: str, port: int, peer: str) -> Any:
+        if self._closed:
+            raise KVTransferError("UCX transport is closed")
+        endpoints = self._peers.setdefault((address, port), _EndpointPool(self.max_connections))
+        await self._step(endpoints.slots.acquire(), "wait for a free connection", peer)
+        try:
+            ep = endpoints.take_idle()
+            if ep is None:
+                ucxx = _ucxx()
+                ep = await self._step(ucxx.create_endpoint(address, port, connect_timeout=self.timeout_s),
+                                      "connect", peer)
+                endpoints.num_created += 1
+            return ep
+        except BaseException:
+            endpoints.slots.release()
+            raise
+
+    async def _exchange(
+        self, ep: Any, params: HandoffParams, dest_block_ids: list[int], segments: list[tuple[int, int]], peer: str
+    ) -> None:
+        lease = params.lease_id
+        request = _REQUEST.pack(b"PDKQ", _VERSION, 0, lease.encode("ascii"), len(dest_block_ids), len(segments))
+        await self._step(ep.send(request), "send the pull request", peer)
+        await self._step(ep.send(array("I", [count for _, count in segments])), "send the pull segments", peer)
+        status_buf = bytearray(_STATUS.size + _WIRE_PREFIX)
+        await self._step(ep.recv(status_buf), "receive the status", peer)
+        magic, version, status, detail_nbytes = _STATUS.unpack_from(status_buf)
+        if magic != b"PDKS" or version != _VERSION:
+            raise KVTransferError(f"{peer} is not a pdserve KV exporter (magic {bytes(magic)!r}, version {version})")
+        if status != _OK:
+            if detail_nbytes > _MAX_DETAIL:
+                raise KVTransferError(f"{peer} sent an oversized refusal ({detail_nbytes} bytes)")
+            detail = bytearray(detail_nbytes)
+            if detail_nbytes:
+                await self._step(ep.recv(detail), "receive the refusal", peer)
+            raise _Refused(f"KV exporter {peer} refused lease {lease} (status {status}): {detail.decode(errors='replace')}")
+        prefix = bytes(status_buf[_STATUS.size:])
+        num_blocks = wire.peek_num_blocks(prefix)
+        if num_blocks != len(dest_block_ids) or detail_nbytes != wire.header_size(num_blocks) - _WIRE_PREFIX:
+            raise wire.WireError(f"KV header announces {num_blocks} blocks, the handoff has {len(dest_block_ids)}")
+        rest = bytearray(detail_nbytes)
+        await self._step(ep.recv(rest), "receive the KV header", peer)
+        header = wire.decode_header(prefix + rest, self.layout.layout_hash, self.pool.block_nbytes,
+                                    max_blocks=len(dest_block_ids))
+        if header.block_hashes[: len(params.block_hashes)] != params.block_hashes:
+            raise wire.WireError(f"KV blocks from {peer} are not the ones the handoff of lease {lease} names")
+        for first, count in _dest_runs(dest_block_ids, segments):
+            await self._step(ep.recv(_span(self.pool, first, count)), "receive KV blocks", peer)
+        wire.verify_blocks(header, self.pool.read_blocks(dest_block_ids))
+        await self._step(ep.send(_ACK), "send the ack", peer)
+
+    async def _step(self, awaitable: Awaitable[T], what: str, peer: str) -> T:
+        try:
+            return await asyncio.wait_for(awaitable, self.timeout_s)
+        except TimeoutError:
+            raise KVTransferError(f"UCX: {what} with {peer} timed out after {self.timeout_s:g}s") from None
+        except _ucxx().exceptions.UCXError as e:
+            raise KVTransferError(f"UCX: {what} with {peer} failed: {type(e).__name__}: {e}") from e
+
+    async def close(self) -> None:
+        self._closed = True
+        for endpoints in self._peers.values():
+            endpoints.close()
+        for ep in list(self._server_eps):
+            ep.abort()  # their handlers' pending receives fail and the handlers return
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=self.timeout_s)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._exports.clear()
+        self._serving.clear()
+
+
+def _span(pool: KVPoolIO, first: int, count: int) -> Any:
+    """`count` consecutive pool blocks as one byte buffer aliasing the pool (numpy on host, CUDA tensor)."""
+    pool.block_tensor(first + count - 1)
+    flat = pool.kv_pool.narrow(0, first, count).reshape(-1).view(torch.uint8)  # [count * block_nbytes]
+    return flat.numpy() if pool.is_host else flat
+
+
+def _segments(src: tuple[int, ...], dst: list[int]) -> list[tuple[int, int]]:
+    """(start index, length) of the maximal runs consecutive in both block id lists."""
+    segments: list[tuple[int, int]] = []
+    for i in range(len(src)):
+        if segments and src[i] == src[i - 1] + 1 and dst[i] == dst[i - 1] + 1:
+            start, count = segments[-1]
+            segments[-1] = (start, count + 1)
+        else:
+            segments.append((i, 1))
+    return segments
+
+
+def _dest_runs(dst: list[int], segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return [(dst[start], count) for start, count in segments]
+
+
+def _runs_of(block_ids: tuple[int, ...], lengths: list[int]) -> list[tuple[int, int]] | None:
+    """(first block id, count) per requested segment, or None if a segment is not consecutive here."""
+    if any(n <= 0 for n in lengths) or sum(lengths) != len(block_ids):
+        return None
+    runs, start = [], 0
+    for n in lengths:
+        chunk = block_ids[start : start + n]
+        if any(b != chunk[0] + k for k, b in enumerate(chunk)):
+            return None
+        runs.append((chunk[0], n))
+        start += n
+    return runs
