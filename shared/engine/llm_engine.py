@@ -54,6 +54,7 @@ class LLMEngine:
         self.step_times: deque[float] = deque(maxlen=32)
         self.step_tokens: deque[int] = deque(maxlen=32)
         self.num_preemptions = 0
+        self.num_expired_leases = 0
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -134,6 +135,7 @@ class LLMEngine:
         expired = self.leases.expired(now)
         for lease in expired:
             self.block_manager.release_blocks(list(lease.block_ids))
+        self.num_expired_leases += len(expired)
         return len(expired)
 
     # --- stepping --------------------------------------------------------------------------------
@@ -232,4 +234,5 @@ class LLMEngine:
             prefix_hit_tokens=self.block_manager.num_prefix_hit_tokens,
             prefix_queried_tokens=self.block_manager.num_prefix_queried_tokens,
             num_preemptions=self.num_preemptions,
+            num_expired_leases=self.num_expired_leases,
         )

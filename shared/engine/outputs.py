@@ -73,3 +73,4 @@ class EngineStats:
     prefix_hit_tokens: int
     prefix_queried_tokens: int
     num_preemptions: int
+    num_expired_leases: int = 0

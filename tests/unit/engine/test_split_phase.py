@@ -192,6 +192,7 @@ def test_unadopted_handoff_expires(engine: LLMEngine) -> None:
     assert engine.block_manager.num_free_blocks == free - 2
     assert engine.expire_leases(now=time.monotonic() + TTL_S / 2) == 0  # not before its time
     assert engine.expire_leases(now=time.monotonic() + TTL_S + 1) == 1
+    assert engine.stats().num_expired_leases == 1  # expiries are counted
     assert engine.block_manager.num_free_blocks == free
     assert not engine.release_lease(handoff.lease_id)  # already gone
     with pytest.raises(KeyError):
