@@ -33,6 +33,10 @@ def _bench(args: argparse.Namespace) -> int:
         from pdserve.bench.engine import run
 
         result = run(quick=args.quick, seed=args.seed)
+    elif args.target == "kernels":
+        from pdserve.bench.kernels import run
+
+        result = run(quick=args.quick, seed=args.seed)
     elif args.target == "transfer":
         from pdserve.bench.transfer import run
 
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
-    bench.add_argument("target", choices=["engine", "transfer"])
+    bench.add_argument("target", choices=["engine", "kernels", "transfer"])
     bench.add_argument("--transports", default=None, help="transfer: comma-separated subset of local,redis,ucx")
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")

@@ -55,6 +55,8 @@ class EngineConfig:
     seed: int = 0
     lease_ttl_s: float = 30.0
     num_threads: int | None = None
+    # None: triton on CUDA, torch elsewhere (PDSERVE_ATTENTION_BACKEND overrides); "torch" | "triton" forces
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

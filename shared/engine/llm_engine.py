@@ -45,7 +45,10 @@ class LLMEngine:
         num_blocks = config.cache.num_blocks or max(
             1, config.cache.memory_budget_bytes // kv_block_bytes(self.model_config, block_size, config.torch_dtype)
         )
-        self.runner = ModelRunner(model, self.model_config, block_size, num_blocks, config.torch_dtype, config.device)
+        self.runner = ModelRunner(
+            model, self.model_config, block_size, num_blocks, config.torch_dtype, config.device,
+            attention_override=config.attention_backend,
+        )
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.sampler = Sampler(config.seed)

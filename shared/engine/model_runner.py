@@ -6,6 +6,7 @@ import torch
 
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
+from pdserve.kernels import attention_backend
 from pdserve.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from pdserve.models.config import ModelConfig
 
@@ -17,7 +18,7 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, config: ModelConfig, block_size: int, num_blocks: int,
-        dtype: torch.dtype, device: str,
+        dtype: torch.dtype, device: str, attention_override: str | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -32,6 +33,7 @@ class ModelRunner:
         )
         self.kv_caches = [(self.kv_pool[:, i, 0], self.kv_pool[:, i, 1]) for i in range(config.num_layers)]
         self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.attention_backend = attention_backend(str(self.device), override=attention_override)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
@@ -70,7 +72,9 @@ class ModelRunner:
     def _metadata(self, decodes: list[Sequence], slots: list[int], chunks: list[PrefillChunk]) -> AttentionMetadata:
         to = dict(dtype=torch.int64, device=self.device)
         groups = []
-        num_groups = 1 if len(decodes) <= 8 else min(4, len(decodes) // 8)
+        # the triton kernel handles mixed lengths itself; the torch path groups to cut padding
+        triton = self.attention_backend == "triton"
+        num_groups = 1 if triton or len(decodes) <= 8 else min(4, len(decodes) // 8)
         bounds = [round(i * len(decodes) / num_groups) for i in range(num_groups + 1)]
         for start, end in zip(bounds, bounds[1:]):
             members = decodes[start:end]
@@ -86,7 +90,8 @@ class ModelRunner:
             num_decode_tokens=len(decodes),
             decode_groups=tuple(groups),
             prefills=tuple(chunks),
-            workspace=self._workspace(needed) if needed else None,
+            workspace=self._workspace(needed) if needed and not triton else None,
+            backend=self.attention_backend,
         )
 
     def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:

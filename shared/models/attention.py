@@ -43,6 +43,7 @@ class AttentionMetadata:
     # reusable gather buffers (K, V), each [>= max gathered blocks, block_size, Hkv, D]; fresh
     # allocations of this size cost more in page faults than the copy itself on CPU
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+    backend: str = "torch"  # "triton": the kernels in pdserve.kernels (CUDA, or the interpreter in tests)
 
 
 def store_kvcache(
@@ -118,6 +119,10 @@ def paged_attention(
     meta: AttentionMetadata, scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. q: [T, H, Dh]; k, v: [T, Hkv, Dh]."""
+    if meta.backend == "triton":
+        from pdserve.kernels import paged_attention_triton  # lazy: triton chooses interpreter vs compiler at import
+
+        return paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale)
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     num_decode = meta.num_decode_tokens
     if not meta.prefills:
