@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import struct
 from collections.abc import Awaitable
@@ -28,6 +27,9 @@ from pdserve.kvcache.layout import KVLayout, LayoutMismatch
 from pdserve.kvcache.params import HandoffParams
 from pdserve.kvcache.pool import KVPoolIO
 from pdserve.kvcache.transports.base import KVTransferError, KVTransport, ReleaseFn
+from pdserve.kvcache.transports.ucx_env import UCXConfig, apply_ucx_env, ucx_context, ucx_error
+
+__all__ = ["UCXConfig", "UCXTransport", "apply_ucx_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,73 +42,6 @@ _MAX_DETAIL = 1024
 _ACK = b"\x01"
 _LEASE_ID = re.compile(r"[0-9a-f]{32}")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class UCXConfig:
-    """UCX/ucxx environment defaults. A variable already set in the environment wins; they are
-    read once per process, when ucxx creates its context (the first transport to start)."""
-
-    tls: str | None = "tcp,cma,self"  # UCX_TLS; None lets UCX pick every transport it finds
-    rndv_scheme: str = "get_zcopy"  # UCX_RNDV_SCHEME
-    progress_mode: str = "thread"  # UCXPY_PROGRESS_MODE
-    python_future: bool = True  # UCXPY_ENABLE_PYTHON_FUTURE
-    warn_unused_env_vars: bool = False  # UCX_WARN_UNUSED_ENV_VARS
-
-    @classmethod
-    def for_pool(cls, pool: KVPoolIO) -> UCXConfig:
-        # CUDA pools: no TLS restriction, so UCX may use rc/dc (GPUDirect RDMA), cuda_ipc and cuda_copy.
-        return cls() if pool.is_host else cls(tls=None)
-
-    @property
-    def env(self) -> dict[str, str]:
-        env = {
-            "UCX_RNDV_SCHEME": self.rndv_scheme,
-            "UCXPY_PROGRESS_MODE": self.progress_mode,
-            "UCXPY_ENABLE_PYTHON_FUTURE": "1" if self.python_future else "0",
-            "UCX_WARN_UNUSED_ENV_VARS": "y" if self.warn_unused_env_vars else "n",
-        }
-        if self.tls is not None:
-            env["UCX_TLS"] = self.tls
-        return env
-
-
-def apply_ucx_env(config: UCXConfig) -> dict[str, str]:
-    """Set the config's variables unless already set; returns the values in effect."""
-    return {name: os.environ.setdefault(name, value) for name, value in config.env.items()}
-
-
-_bound_loop: asyncio.AbstractEventLoop | None = None
-
-
-def _ucxx() -> Any:
-    """ucxx, bound to the running loop: its notifier thread serves a single event loop, so a
-    process uses one loop at a time; after that loop closed, the next one resets UCX."""
-    global _bound_loop
-    import ucxx
-
-    loop = asyncio.get_running_loop()
-    if _bound_loop is loop:
-        return ucxx
-    if _bound_loop is not None and not _bound_loop.is_closed():
-        raise KVTransferError("UCX already serves another running event loop in this process")
-    if _bound_loop is not None:
-        try:
-            ucxx.reset()
-        except ucxx.exceptions.UCXError as e:
-            raise KVTransferError(f"cannot rebind UCX to a new event loop (close old transports): {e}") from e
-    try:
-        ucxx.init()
-    except RuntimeError:
-        pass  # initialised by someone else in this loop
-    _bound_loop = loop
-    return ucxx
-
-
-def _ucx_error() -> type[Exception]:
-    from ucxx.exceptions import UCXError
-
-    return UCXError
 
 
 class _Refused(KVTransferError):
@@ -152,7 +87,12 @@ class _EndpointPool:
 
 class UCXTransport(KVTransport):
     """Point-to-point pull over UCX. `host` is the address advertised in handoff params (the
-    listener binds every interface); `timeout_s` bounds every single network wait."""
+    listener binds every interface); `timeout_s` bounds every single network wait.
+
+    Checksums are taken at export, so blocks overwritten before the pull fail verification. An
+    export stays until the importer's ack (then `release`) or `forget()`: a failed transfer
+    leaves it for a retry, so the owner forgets leases that expire in its engine.
+    """
 
     name: ClassVar[str] = "ucx"
 
@@ -189,7 +129,7 @@ class UCXTransport(KVTransport):
 
     async def start(self) -> None:
         if self._listener is None:
-            self._listener = _ucxx().create_listener(self._serve, port=self.port)
+            self._listener = ucx_context.acquire(self).create_listener(self._serve, port=self.port)
             self.port = self._listener.port
 
     async def export(
@@ -226,7 +166,7 @@ class UCXTransport(KVTransport):
                 await self._serve_one(ep, request)
         except (KVTransferError, wire.WireError) as e:
             logger.warning("UCX export connection dropped: %s", e)
-        except _ucx_error() as e:
+        except ucx_error() as e:
             logger.debug("UCX export connection closed: %s", e)
         finally:
             self._server_eps.discard(ep)
@@ -286,6 +226,8 @@ class UCXTransport(KVTransport):
             raise ValueError(f"not a UCX handoff with a peer address: {params}")
         if not _LEASE_ID.fullmatch(params.lease_id):
             raise ValueError(f"lease id {params.lease_id!r} is not 32 lowercase hex digits")
+        if len(set(dest_block_ids)) != len(dest_block_ids):
+            raise ValueError(f"duplicate destination blocks {dest_block_ids}")
         for b in dest_block_ids:
             self.pool.block_tensor(b)  # IndexError before any I/O
         segments = _segments(params.block_ids, dest_block_ids)
@@ -293,7 +235,7 @@ class UCXTransport(KVTransport):
         ep = await self._acquire(params.address, params.port, peer)
         endpoints = self._peers[(params.address, params.port)]
         try:
-            await self._exchange(ep, params, dest_block_ids, segments, peer)
+            is_clean = await self._exchange(ep, params, dest_block_ids, segments, peer)
         except BaseException as exc:
             refused = isinstance(exc, _Refused)
             endpoints.put(ep, reusable=refused and not self._closed)
@@ -301,7 +243,7 @@ class UCXTransport(KVTransport):
                 for b in dest_block_ids:  # only after the abort above: no receive can still land
                     self.pool.block_tensor(b).zero_()
             raise
-        endpoints.put(ep, reusable=not self._closed)
+        endpoints.put(ep, reusable=is_clean and not self._closed)
 
     async def _acquire(self, address: str, port: int, peer: str) -> Any:
         if self._closed:
@@ -311,7 +253,7 @@ class UCXTransport(KVTransport):
         try:
             ep = endpoints.take_idle()
             if ep is None:
-                ucxx = _ucxx()
+                ucxx = ucx_context.acquire(self)
                 ep = await self._step(ucxx.create_endpoint(address, port, connect_timeout=self.timeout_s),
                                       "connect", peer)
                 endpoints.num_created += 1
@@ -323,7 +265,8 @@ class UCXTransport(KVTransport):
 
     async def _exchange(
         self, ep: Any, params: HandoffParams, dest_block_ids: list[int], segments: list[tuple[int, int]], peer: str
-    ) -> None:
+    ) -> bool:
+        """One pull on `ep`; True if the connection is left clean for reuse."""
         lease = params.lease_id
         request = _REQUEST.pack(b"PDKQ", _VERSION, 0, lease.encode("ascii"), len(dest_block_ids), len(segments))
         await self._step(ep.send(request), "send the pull request", peer)
@@ -354,14 +297,19 @@ class UCXTransport(KVTransport):
         for first, count in _dest_runs(dest_block_ids, segments):
             await self._step(ep.recv(_span(self.pool, first, count)), "receive KV blocks", peer)
         wire.verify_blocks(header, self.pool.read_blocks(dest_block_ids))
-        await self._step(ep.send(_ACK), "send the ack", peer)
+        try:
+            await self._step(ep.send(_ACK), "send the ack", peer)
+        except KVTransferError as e:  # the blocks are verified: keep them; the exporter's lease expires instead
+            logger.warning("%s; lease %s stays held on the exporter until it expires", e, lease)
+            return False
+        return True
 
     async def _step(self, awaitable: Awaitable[T], what: str, peer: str) -> T:
         try:
             return await asyncio.wait_for(awaitable, self.timeout_s)
         except TimeoutError:
             raise KVTransferError(f"UCX: {what} with {peer} timed out after {self.timeout_s:g}s") from None
-        except _ucx_error() as e:
+        except ucx_error() as e:
             raise KVTransferError(f"UCX: {what} with {peer} failed: {type(e).__name__}: {e}") from e
 
     async def close(self) -> None:
@@ -377,6 +325,7 @@ class UCXTransport(KVTransport):
             self._listener = None
         self._exports.clear()
         self._serving.clear()
+        ucx_context.release(self)
 
 
 def _span(pool: KVPoolIO, first: int, count: int) -> Any:
