@@ -122,3 +122,31 @@ def test_no_capacity_on_decode_falls_back(tiny_dir):
             await e.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_local_transport_round_trip_is_bit_exact(dtype):
+    import torch
+
+    from pdserve.kvcache.layout import KVLayout
+    from pdserve.kvcache.pool import KVPoolIO
+
+    layout = KVLayout("m", dtype, 2, 2, 16, 16)
+    shape = (8, 2, 2, 16, 2, 16)
+    src = KVPoolIO(torch.randn(shape).to(getattr(torch, dtype)))
+    dst = KVPoolIO(torch.zeros(shape, dtype=getattr(torch, dtype)))
+    hub = LocalHub()
+    released = []
+
+    async def release(lease_id):
+        released.append(lease_id)
+
+    async def main():
+        params = await LocalTransport(src, layout, release, hub=hub).export("L", [1, 4, 6], [11, 12], 40)
+        await LocalTransport(dst, layout, hub=hub).pull(params, [7, 0, 3])
+
+    asyncio.run(main())
+    for s, d in ((1, 7), (4, 0), (6, 3)):
+        assert torch.equal(src.block_tensor(s), dst.block_tensor(d))
+    assert released == ["L"]
+    assert not dst.kv_pool[[1, 2, 4, 5, 6]].any()
