@@ -77,3 +77,18 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]
     finally:
         for server in servers:
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_serve():
+    """One local Ray + Serve instance for the whole session (a Ray start costs ~8 s)."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield serve
+    if started:
+        serve.shutdown()
+        ray.shutdown()

@@ -16,17 +16,11 @@ LAYOUT = 0xABCDEF
 
 
 @pytest.fixture(scope="module")
-def kvstore(redis_server):
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+def kvstore(redis_server, ray_serve):
     config = KVStoreConfig(redis_url=redis_server.url, maxmemory_bytes=64 << 20, maxmemory_policy="allkeys-lru")
     handle = serve.run(build_app(config), name="kvstore-test", route_prefix=None)
     yield handle
     serve.delete("kvstore-test")
-    if started:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def test_longest_prefix_lookup_and_policy(kvstore, redis_server):

@@ -1,0 +1,1 @@
+"""Prefill worker: runs prompts in prefill-only mode and exports their KV."""

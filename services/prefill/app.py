@@ -1,0 +1,62 @@
+"""Ray Serve prefill deployment: prompt -> first token + handoff params (KV stays leased until pulled)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from pdserve.engine.async_engine import AsyncLLMEngine
+from pdserve.engine.outputs import GenerationRequest
+from pdserve.kvcache.handoff import KVExporter
+from pdserve.worker import WorkerConfig, build_transport, params_from_dict
+
+
+@serve.deployment(name="prefill")
+class PrefillDeployment:
+    def __init__(self, config: dict[str, Any], engine: AsyncLLMEngine | None = None) -> None:
+        self.config = WorkerConfig.model_validate(config)
+        self.engine = engine or AsyncLLMEngine.from_config(self.config.engine_config())
+        self.transport = build_transport(self.config, self.engine)
+        self.exporter = KVExporter(self.engine, self.transport)
+        self._started = False
+
+    async def _start(self) -> None:
+        if not self._started:
+            await self.transport.start()
+            self._started = True
+
+    async def prefill(self, request: dict[str, Any]) -> dict[str, Any]:
+        """request: request_id, prompt_token_ids, params (SamplingParams fields)."""
+        await self._start()
+        gen = GenerationRequest(
+            request["request_id"], tuple(request["prompt_token_ids"]), params_from_dict(request["params"]),
+            prefill_only=True,
+        )
+        (delta,) = [d async for d in self.engine.generate(gen)]
+        handoff = None
+        if delta.kv_handoff is not None:
+            handoff = (await self.exporter.export(delta.kv_handoff)).to_dict()
+        return {
+            "first_token_id": delta.token_ids[0], "text": delta.text, "finish_reason": delta.finish_reason,
+            "num_cached_tokens": delta.num_cached_tokens, "handoff": handoff,
+        }
+
+    async def abort(self, lease_id: str) -> bool:
+        """Drop an export whose decode side will never pull it (client gone before transfer)."""
+        forget = getattr(self.transport, "forget", None)
+        if forget is not None:
+            forget(lease_id)
+        return await self.engine.release_lease(lease_id)
+
+    def stats(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.engine.stats())
+
+
+def build_app(config: WorkerConfig | dict[str, Any]) -> Application:
+    cfg = config if isinstance(config, WorkerConfig) else WorkerConfig.model_validate(config)
+    return PrefillDeployment.options(
+        num_replicas=cfg.num_replicas, ray_actor_options=cfg.actor_options()
+    ).bind(cfg.model_dump())

@@ -1,0 +1,66 @@
+"""What prefill and decode workers share: their validated config and how they build engine and transport."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.async_engine import AsyncLLMEngine
+from pdserve.kvcache.handoff import engine_layout, engine_pool
+from pdserve.kvcache.transports import KVTransport, create_transport
+from pdserve.sampling_params import SamplingParams
+
+
+class WorkerConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = "tiny"
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    block_size: int = Field(16, ge=1)
+    kv_memory_bytes: int = Field(256 << 20, ge=1 << 20)
+    num_blocks: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    lease_ttl_s: float = Field(30.0, gt=0)
+    transport: Literal["ucx", "redis"] = "ucx"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    ucx_host: str = "127.0.0.1"
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, ge=0)  # Ray CPUs per replica; also its torch thread count
+    label_selector: dict[str, str] = Field(default_factory=dict)  # node labels (compute- vs bandwidth-optimized)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, device=self.device, dtype=self.dtype, lease_ttl_s=self.lease_ttl_s,
+            num_threads=max(1, int(self.num_cpus)),
+            cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
+                              memory_budget_bytes=self.kv_memory_bytes),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens),
+        )
+
+    def actor_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.label_selector:
+            options["label_selector"] = dict(self.label_selector)
+        return options
+
+
+def build_transport(config: WorkerConfig, engine: AsyncLLMEngine) -> KVTransport:
+    pool, layout = engine_pool(engine), engine_layout(engine)
+    release = engine.release_lease_quietly
+    if config.transport == "redis":
+        return create_transport("redis", pool, layout, release, url=config.redis_url, ttl_s=int(config.lease_ttl_s) * 20)
+    return create_transport("ucx", pool, layout, release, host=config.ucx_host)
+
+
+def params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "extra"}
+
+
+def params_from_dict(data: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**data)
