@@ -1,7 +1,23 @@
-"""Model family (Llama/Mistral/Qwen2), HF checkpoint loading, tokenizer and the embedded `tiny` model."""
+"""Model family (Llama/Mistral/Qwen2), HF checkpoint loading, tokenizer and the embedded `tiny` model.
 
-from pdserve.models.config import ModelConfig, load_model_config
-from pdserve.models.llama import MODEL_REGISTRY, LlamaForCausalLM
-from pdserve.models.loader import load_model
+Names load lazily, so `pdserve.models.tokenizer` (used by the router) does not import torch.
+"""
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "ModelConfig", "load_model", "load_model_config"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "ModelConfig": "config", "load_model_config": "config", "MODEL_REGISTRY": "llama",
+    "LlamaForCausalLM": "llama", "load_model": "loader",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

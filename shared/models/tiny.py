@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 TINY_NAME = "tiny"
@@ -97,6 +95,8 @@ def ensure_tiny_checkpoint(cache_dir: str | Path | None = None) -> Path:
 
 def write_tiny_checkpoint(path: Path) -> None:
     _write_json(path / "config.json", TINY_CONFIG)
+    from safetensors.torch import save_file  # torch only when the checkpoint must be written
+
     save_file(tiny_state_dict(), str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "tokenizer.json").write_text(build_tiny_tokenizer().to_str(pretty=True), encoding="utf-8")
     _write_json(
@@ -116,11 +116,13 @@ def write_tiny_checkpoint(path: Path) -> None:
     )
 
 
-def tiny_state_dict() -> dict[str, torch.Tensor]:
+def tiny_state_dict() -> dict[str, Any]:
     cfg = TINY_CONFIG
     hidden, inter, head_dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q_dim = cfg["num_attention_heads"] * head_dim
     kv_dim = cfg["num_key_value_heads"] * head_dim
+    import torch
+
     gen = torch.Generator().manual_seed(0)
 
     def normal(shape: tuple[int, int], std: float) -> torch.Tensor:

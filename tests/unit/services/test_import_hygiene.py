@@ -1,0 +1,25 @@
+"""Dependency rules: the router's imports stay free of torch; pdserve.* never imports services."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_router_side_modules_do_not_import_torch():
+    code = (
+        "import sys; import pdserve.protocol, pdserve.models.tokenizer, pdserve.models.tiny, pdserve.sampling_params; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_library_never_imports_services():
+    offenders = [
+        str(path.relative_to(ROOT)) for path in (ROOT / "shared").rglob("*.py")
+        if "import pdserve.services" in path.read_text() or "from pdserve.services" in path.read_text()
+    ]
+    assert not offenders
