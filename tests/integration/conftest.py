@@ -85,9 +85,15 @@ def ray_serve():
     ray = pytest.importorskip("ray")
     from ray import serve
 
+    from pdserve.redis_server import free_port
+
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # HTTP on a free loopback port: `serve.http_port` tells tests where the proxy listens
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.http_port = port
     yield serve
     if started:
         serve.shutdown()
