@@ -1,0 +1,56 @@
+"""Composition root: the whole system (router, prefill, decode, kvstore) from one validated config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray.serve import Application
+
+from pdserve.services.kvstore.config import KVStoreConfig
+from pdserve.worker import WorkerConfig
+
+
+class SystemConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    model: str = "tiny"
+    transport: Literal["ucx", "redis"] = "ucx"
+    redis_url: str | None = None  # None: no Redis tier (ucx transport only, no kvstore)
+    prefill: dict[str, Any] = Field(default_factory=dict)  # WorkerConfig overrides
+    decode: dict[str, Any] = Field(default_factory=dict)
+    router: dict[str, Any] = Field(default_factory=dict)  # RouterConfig overrides
+    kvstore: dict[str, Any] = Field(default_factory=dict)  # KVStoreConfig overrides
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> SystemConfig:
+        import yaml
+
+        with open(path) as f:
+            return cls.model_validate(yaml.safe_load(f) or {})
+
+    def worker(self, role: Literal["prefill", "decode"]) -> WorkerConfig:
+        base: dict[str, Any] = {"model": self.model, "transport": self.transport}
+        if self.redis_url:
+            base["redis_url"] = self.redis_url
+        if self.transport == "redis" and not self.redis_url:
+            raise ValueError("the redis transport needs redis_url")
+        return WorkerConfig.model_validate({**base, **(self.prefill if role == "prefill" else self.decode)})
+
+    def kvstore_config(self) -> KVStoreConfig | None:
+        if not self.redis_url:
+            return None
+        return KVStoreConfig.model_validate({"redis_url": self.redis_url, **self.kvstore})
+
+
+def build_system(config: SystemConfig) -> Application:
+    from pdserve.services.decode.app import build_app as build_decode
+    from pdserve.services.prefill.app import build_app as build_prefill
+    from pdserve.services.router.app import build_app as build_router
+
+    decode = build_decode(config.worker("decode"))
+    prefill = build_prefill(config.worker("prefill")) if config.mode == "disaggregated" else None
+    router = {"model": config.model, "mode": config.mode, **config.router}
+    return build_router(router, prefill, decode)

@@ -1,0 +1,35 @@
+"""The one validated config the whole system is composed from."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+pytest.importorskip("ray")
+from pdserve.services.app import SystemConfig  # noqa: E402
+
+
+def test_worker_configs_inherit_model_transport_and_redis(tmp_path):
+    path = tmp_path / "system.yaml"
+    path.write_text(
+        "mode: disaggregated\ntransport: redis\nredis_url: redis://127.0.0.1:7777/0\n"
+        "prefill: {num_replicas: 2, num_cpus: 2}\ndecode: {max_num_seqs: 8}\n"
+    )
+    config = SystemConfig.from_yaml(path)
+    prefill, decode = config.worker("prefill"), config.worker("decode")
+    assert (prefill.transport, prefill.redis_url, prefill.num_replicas) == ("redis", "redis://127.0.0.1:7777/0", 2)
+    assert prefill.engine_config().num_threads == 2 and prefill.actor_options() == {"num_cpus": 2.0}
+    assert decode.max_num_seqs == 8 and decode.num_replicas == 1
+    assert config.kvstore_config().redis_url == "redis://127.0.0.1:7777/0"
+
+
+def test_invalid_configs_are_rejected():
+    with pytest.raises(ValidationError):
+        SystemConfig.model_validate({"mode": "sideways"})
+    with pytest.raises(ValidationError):
+        SystemConfig.model_validate({"unknown": 1})
+    with pytest.raises(ValueError, match="redis_url"):
+        SystemConfig(transport="redis").worker("decode")
+    with pytest.raises(ValidationError):
+        SystemConfig(prefill={"num_replicas": 0}).worker("prefill")
+    assert SystemConfig().kvstore_config() is None
