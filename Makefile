@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/pdserve generate --model tiny --prompt "Hello, pdserve!" --max-tokens 32
+	$(BIN)/pdserve serve
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -52,5 +52,6 @@ def build_system(config: SystemConfig) -> Application:
 
     decode = build_decode(config.worker("decode"))
     prefill = build_prefill(config.worker("prefill")) if config.mode == "disaggregated" else None
-    router = {"model": config.model, "mode": config.mode, **config.router}
+    served = config.model if config.model == "tiny" else Path(config.model).name
+    router = {"model": config.model, "served_model_name": served, "mode": config.mode, **config.router}
     return build_router(router, prefill, decode)

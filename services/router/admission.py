@@ -1,0 +1,125 @@
+"""From an HTTP request to a validated, tokenized request, or an APIError; no engine is touched here."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.models.tokenizer import Tokenizer
+from pdserve.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.sampling_params import SamplingParams
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.errors import APIError, bad_request, from_validation_error
+from pydantic import ValidationError
+from starlette.requests import Request
+
+
+@dataclass(frozen=True)
+class Prepared:
+    chat: bool
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    want_logprobs: bool
+
+    def params_for(self, index: int) -> SamplingParams:
+        """Choice `index` samples with seed + index, so n choices differ yet stay reproducible."""
+        if self.params.seed is None or index == 0:
+            return self.params
+        return dataclasses.replace(self.params, seed=(self.params.seed + index) % 2**63)
+
+
+def params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "extra"}
+
+
+def check_auth(request: Request, keys: tuple[str, ...]) -> None:
+    if not keys:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    token = token.strip().encode()
+    # compare against every key, always, so timing says nothing about which key (or prefix) matched
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(token, key.encode())
+    if scheme.lower() != "bearer" or not ok:
+        raise APIError(401, "Incorrect or missing API key: pass it as 'Authorization: Bearer <key>'",
+                       code="invalid_api_key", reason="unauthorized")
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise bad_request(f"Content-Type must be application/json, got {content_type or 'none'!r}",
+                          reason="content_type")
+    too_large = APIError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large",
+                         reason="body_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise too_large
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"malformed JSON body: {exc}", reason="malformed_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the JSON body must be an object", reason="malformed_json")
+    return data
+
+
+def prepare(
+    data: dict[str, Any], chat: bool, config: RouterConfig, tokenizer: Tokenizer, vocab_size: int
+) -> Prepared:
+    try:
+        req = ChatCompletionRequest.model_validate(data) if chat else CompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    if req.model != config.served_model_name:
+        raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
+                       f"'{config.served_model_name}'", param="model", code="model_not_found",
+                       reason="unknown_model")
+    prompt_ids = _tokenize(req, tokenizer, vocab_size)
+    if not prompt_ids:
+        raise bad_request("the prompt is empty after tokenization", param="prompt")
+    requested = req.requested_max_tokens
+    max_tokens = requested if requested is not None else min(
+        config.default_max_tokens, config.max_model_len - len(prompt_ids))
+    if max_tokens < 1 or len(prompt_ids) + max_tokens > config.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {config.max_model_len} tokens; the prompt has "
+            f"{len(prompt_ids)} tokens and max_tokens is {max_tokens} ({len(prompt_ids) + max_tokens} in all)",
+            param="max_tokens", reason="context_length",
+        )
+    try:
+        params = dataclasses.replace(req.to_sampling_params(config.default_max_tokens), max_tokens=max_tokens)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Prepared(chat, prompt_ids, params, req.n, req.stream, include_usage, params.logprobs is not None)
+
+
+def _tokenize(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    if isinstance(req, ChatCompletionRequest):
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+    if isinstance(req.prompt, str):
+        return tokenizer.encode(req.prompt)
+    bad = [t for t in req.prompt if t >= vocab_size]
+    if bad:
+        raise bad_request(f"prompt token id {bad[0]} is out of the vocabulary (size {vocab_size})",
+                          param="prompt", reason="token_out_of_vocab")
+    return list(req.prompt)

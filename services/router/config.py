@@ -1,0 +1,34 @@
+"""Validated router config."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+API_KEYS_ENV = "PDSERVE_API_KEYS"
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    served_model_name: str = Field("tiny", min_length=1)
+    model: str = "tiny"  # path or name the tokenizer is loaded from
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    # prompts shorter than this skip the prefill pool: decode prefills them locally
+    disaggregate_min_prompt_tokens: int = Field(32, ge=0)
+    default_max_tokens: int = Field(16, ge=1)
+    max_model_len: int = Field(2048, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1)
+    api_keys: tuple[str, ...] = ()
+    max_inflight: int = Field(256, ge=1)
+    retry_after_s: int = Field(1, ge=0)
+    health_timeout_s: float = Field(5.0, gt=0)
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.5, ge=0)
+
+    def resolved_api_keys(self) -> tuple[str, ...]:
+        """Configured keys plus those in $PDSERVE_API_KEYS (comma-separated); empty means no auth."""
+        from_env = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",")]
+        return tuple(dict.fromkeys([*self.api_keys, *(k for k in from_env if k)]))

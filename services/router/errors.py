@@ -1,0 +1,46 @@
+"""OpenAI error objects: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+_TYPES = {
+    400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+    413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        reason: str | None = None, headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.reason = reason or code or str(status)  # label of the rejection counter
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, _TYPES.get(self.status, "invalid_request_error"), self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    message = first.get("msg", "invalid request")
+    if param:
+        message = f"{param}: {message}"
+    return APIError(400, message, param=param, code="invalid_value", reason="invalid_request")
+
+
+def bad_request(message: str, param: str | None = None, reason: str = "invalid_request") -> APIError:
+    return APIError(400, message, param=param, code="invalid_value", reason=reason)
