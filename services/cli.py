@@ -50,6 +50,9 @@ def serve_main(argv: list[str]) -> int:
     from pdserve.services.kvstore.app import build_app as build_kvstore
 
     args = _serve_parser().parse_args(argv)
+    stop = threading.Event()  # set by Ctrl-C or SIGTERM, also during startup: then we shut down right after
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     redis = None
     redis_url = args.redis_url
     if redis_url is None and find_server_binary():
@@ -59,7 +62,8 @@ def serve_main(argv: list[str]) -> int:
     elif redis_url is None:
         print("no Redis URL and no redis-server binary: running without the Redis tier", flush=True)
     config = _config(args, redis_url)
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False)
+    # address="local": always a fresh instance of our own, never an unrelated cluster found on the host
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         if (kv := config.kvstore_config()) is not None:
@@ -70,9 +74,6 @@ def serve_main(argv: list[str]) -> int:
         print(f"  curl -N {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{config.model}\", \"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}}'",
               flush=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
         stop.wait()
         print("shutting down", flush=True)
     finally:

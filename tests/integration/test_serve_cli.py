@@ -1,0 +1,64 @@
+"""`pdserve serve` as a user runs it: a subprocess that brings everything up, streams, and shuts down."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from pdserve.redis_server import free_port
+
+pytest.importorskip("ray")
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def test_pdserve_serve_streams_a_completion_and_shuts_down(tmp_path):
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.services.cli", "serve", "--port", str(port), "--num-cpus", "4"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while "pdserve is serving" not in (tmp_path / "serve.log").read_text() or _get(
+            f"http://127.0.0.1:{port}/health"
+        ) != 200:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "pdserve serve did not become healthy"
+            time.sleep(1)
+        body = json.dumps({"model": "tiny", "prompt": "Hello there, pdserve", "max_tokens": 8,
+                           "stream": True, "ignore_eos": True, "temperature": 0}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            lines = [line.decode().strip() for line in response if line.strip()]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    output = (tmp_path / "serve.log").read_text()
+    assert proc.returncode == 0, output[-3000:]
+    assert f"http://127.0.0.1:{port}" in output and "curl" in output and "shutting down" in output
