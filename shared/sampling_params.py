@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -57,3 +58,12 @@ class SamplingParams:
         return (
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         )
+
+
+def params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    """Plain data for crossing process boundaries (Serve handle calls); `extra` stays local."""
+    return {f.name: getattr(params, f.name) for f in fields(params) if f.name != "extra"}
+
+
+def params_from_dict(data: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**data)  # validated in __post_init__

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -11,7 +10,7 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.kvcache.handoff import engine_layout, engine_pool
 from pdserve.kvcache.transports import KVTransport, create_transport
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import params_from_dict, params_to_dict  # noqa: F401 - re-exported
 
 
 class WorkerConfig(BaseModel):
@@ -56,11 +55,3 @@ def build_transport(config: WorkerConfig, engine: AsyncLLMEngine) -> KVTransport
     if config.transport == "redis":
         return create_transport("redis", pool, layout, release, url=config.redis_url, ttl_s=int(config.lease_ttl_s) * 20)
     return create_transport("ucx", pool, layout, release, host=config.ucx_host)
-
-
-def params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "extra"}
-
-
-def params_from_dict(data: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**data)

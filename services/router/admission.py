@@ -10,7 +10,7 @@ from typing import Any
 
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams, params_to_dict  # noqa: F401 - re-exported
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.errors import APIError, bad_request, from_validation_error
 from pydantic import ValidationError
@@ -32,10 +32,6 @@ class Prepared:
         if self.params.seed is None or index == 0:
             return self.params
         return dataclasses.replace(self.params, seed=(self.params.seed + index) % 2**63)
-
-
-def params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "extra"}
 
 
 def check_auth(request: Request, keys: tuple[str, ...]) -> None:
