@@ -18,16 +18,16 @@ class KVStoreDeployment:
     def __init__(self, config: dict[str, Any], store: KVStore | None = None) -> None:
         self.config = KVStoreConfig.model_validate(config)
         self.store = store or KVStore(self.config)
-        self.policy_error: str | None = None
+        self.is_policy_applied = False
 
     async def _ensure_policy(self) -> None:
-        # Applied lazily so a Redis that is down at startup does not crash the replica.
-        if self.policy_error is None or self.policy_error:
+        # Applied lazily (and retried until it takes) so a Redis that is down at startup does not crash the replica.
+        if not self.is_policy_applied:
             try:
                 await self.store.apply_policy()
-                self.policy_error = ""
-            except KVStoreUnavailable as exc:
-                self.policy_error = str(exc)
+                self.is_policy_applied = True
+            except KVStoreUnavailable:
+                pass
 
     async def lookup_prefix(self, layout_hash: int, block_hashes: list[int]) -> int:
         """Leading blocks of the chain present in the store; 0 when Redis is unreachable."""

@@ -57,7 +57,7 @@ async def redis_raw_gb_s(url: str, nbytes: int, repeats: int) -> float:
     return nbytes / best / 1e9
 
 
-async def _move(src: KVTransport, dst: KVTransport, num_blocks: int, release_count: list[int]) -> float:
+async def _move(src: KVTransport, dst: KVTransport, num_blocks: int) -> float:
     """One handoff end to end: export on the prefill pool, pull into the decode pool."""
     src_ids = list(range(num_blocks))
     dst_ids = list(range(num_blocks))
@@ -73,19 +73,17 @@ async def _move(src: KVTransport, dst: KVTransport, num_blocks: int, release_cou
 
 
 async def _transport_pair(name: str, layout: KVLayout, num_blocks: int, redis_url: str):
-    released: list[int] = []
-
-    async def release(_lease: str) -> None:
-        released.append(1)
+    async def release(_lease: str) -> None:  # the bench's pools are not engine-owned: nothing to free
+        return None
 
     src_pool, dst_pool = _pool(layout, num_blocks), _pool(layout, num_blocks)
     if name == "local":
         hub = LocalHub()
-        return LocalTransport(src_pool, layout, release, hub=hub), LocalTransport(dst_pool, layout, hub=hub), released
+        return LocalTransport(src_pool, layout, release, hub=hub), LocalTransport(dst_pool, layout, hub=hub)
     if name == "redis":
         src = RedisTransport(src_pool, layout, release, url=redis_url, ttl_s=60, batch_blocks=256)
         dst = RedisTransport(dst_pool, layout, url=redis_url, batch_blocks=256)
-        return src, dst, released
+        return src, dst
     raise ValueError(name)
 
 
@@ -155,12 +153,12 @@ async def _run(sizes_mib: list[int], transports: list[str], repeats: int) -> dic
                         best = await _ucx_cross_process(layout_name, num_blocks, repeats)
                         _add_row(rows, name, layout_name, layout, num_blocks, best, memcpy[size])
                         continue
-                    src, dst, released = await _transport_pair(name, layout, num_blocks, server.url)
+                    src, dst = await _transport_pair(name, layout, num_blocks, server.url)
                     await src.start()
                     await dst.start()
                     try:
-                        await _move(src, dst, num_blocks, released)  # warm-up: connections, registration
-                        best = min([await _move(src, dst, num_blocks, released) for _ in range(repeats)])
+                        await _move(src, dst, num_blocks)  # warm-up: connections, registration
+                        best = min([await _move(src, dst, num_blocks) for _ in range(repeats)])
                     finally:
                         await dst.close()
                         await src.close()

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from pdserve.kvcache.layout import LayoutMismatch
+
 MAGIC = b"PDKV"
 VERSION = 1
 _HEAD = struct.Struct("<4sHHQIQ")
@@ -97,8 +99,6 @@ def decode_header(
     if flags != 0:
         raise WireError(f"unknown KV header flags {flags:#x}")
     if layout_hash != expected_layout_hash:
-        from pdserve.kvcache.layout import LayoutMismatch
-
         raise LayoutMismatch(f"KV layout hash {layout_hash:#018x} != ours {expected_layout_hash:#018x}")
     if block_nbytes != expected_block_nbytes:
         raise WireError(f"KV block size {block_nbytes} bytes != ours {expected_block_nbytes}")
