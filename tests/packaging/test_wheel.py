@@ -1,4 +1,4 @@
-"""The built wheel must contain every package folder under shared/ and services/.
+"""The built wheel must contain every package folder under shared/, services/ and loadtest/.
 
 An unlisted subpackage imports fine in an editable install but is silently absent from the wheel.
 """
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _expected_packages() -> set[str]:
     expected = set()
-    for folder, prefix in (("shared", "pdserve"), ("services", "pdserve.services")):
+    for folder, prefix in (("shared", "pdserve"), ("services", "pdserve.services"), ("loadtest", "pdserve.loadtest")):
         base = ROOT / folder
         for init in base.rglob("__init__.py"):
             rel = init.parent.relative_to(base).parts

@@ -1,0 +1,1 @@
+"""Goodput load tests: arrivals, workloads, an async streaming client, SLO metrics, sweeps, plots, scenarios."""
