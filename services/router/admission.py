@@ -35,9 +35,13 @@ class Prepared:
 
 
 def check_auth(request: Request, keys: tuple[str, ...]) -> None:
+    check_authorization(request.headers.get("authorization", ""), keys)
+
+
+def check_authorization(header: str, keys: tuple[str, ...]) -> None:
+    """`header` is the Authorization value (HTTP header or gRPC metadata); raises APIError(401)."""
     if not keys:
         return
-    header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     token = token.strip().encode()
     # compare against every key, always, so timing says nothing about which key (or prefix) matched

@@ -124,22 +124,10 @@ class RouterDeployment:
         try:
             check_auth(request, self.api_keys)
             data = await read_json(request, self.config.max_body_bytes)
-            prepared = prepare(data, chat, self.config, self.tokenizer, self.vocab_size)
-            if self.num_inflight >= self.config.max_inflight:
-                raise APIError(429, f"too many requests in flight ({self.config.max_inflight}); retry later",
-                               code="too_many_requests", reason="overloaded",
-                               headers={"Retry-After": str(self.config.retry_after_s)})
+            prepared, meta, events = self._start(data, chat, request.state.request_id)
         except APIError as err:
             return self._reject(err, endpoint)
-        request_id = request.state.request_id
-        meta = oa.ResponseMeta(("chatcmpl-" if chat else "cmpl-") + request_id, self.config.served_model_name, chat)
-        decision = decide(self.config.mode, len(prepared.prompt_token_ids), self.config.disaggregate_min_prompt_tokens,
-                          self.prefill is not None, prepared.want_logprobs)
-        self.metrics.decisions.labels("disaggregate" if decision.disaggregate else "skip", decision.reason).inc(prepared.n)
-        self.metrics.prompt_tokens.inc(len(prepared.prompt_token_ids) * prepared.n)
         self.metrics.requests.labels(endpoint, "200").inc()
-        self._enter()
-        events = self._merged(request_id, prepared, decision.disaggregate)
         if prepared.stream:
             return StreamingResponse(self._sse(meta, prepared, events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -153,6 +141,23 @@ class RouterDeployment:
             return JSONResponse(error_body(f"generation failed: {exc}", "internal_error"), status_code=500)
         finally:
             await events.aclose()
+
+    def _start(
+        self, data: dict[str, Any], chat: bool, request_id: str
+    ) -> tuple[Prepared, oa.ResponseMeta, AsyncIterator[tuple[int, dict]]]:
+        """Admits a parsed body (raises APIError, touching no engine) and starts it. The caller must
+        iterate or `aclose()` the returned (choice index, event) stream: closing aborts everywhere."""
+        prepared = prepare(data, chat, self.config, self.tokenizer, self.vocab_size)
+        if self.num_inflight >= self.config.max_inflight:
+            raise APIError(429, f"too many requests in flight ({self.config.max_inflight}); retry later",
+                           code="too_many_requests", reason="overloaded",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+        meta = oa.ResponseMeta(("chatcmpl-" if chat else "cmpl-") + request_id, self.config.served_model_name, chat)
+        decision = decide(self.config.mode, len(prepared.prompt_token_ids), self.config.disaggregate_min_prompt_tokens,
+                          self.prefill is not None, prepared.want_logprobs)
+        self.metrics.decisions.labels("disaggregate" if decision.disaggregate else "skip", decision.reason).inc(prepared.n)
+        self.metrics.prompt_tokens.inc(len(prepared.prompt_token_ids) * prepared.n)
+        return prepared, meta, self._merged(request_id, prepared, decision.disaggregate)
 
     def _reject(self, err: APIError, endpoint: str) -> JSONResponse:
         self.metrics.rejections.labels(err.reason).inc()
@@ -193,6 +198,7 @@ class RouterDeployment:
         """(choice index, event) from n sub-requests; closing it cancels them all (engines abort, KV frees)."""
         start = time.monotonic()
         first_seen = False
+        self._enter()  # here, not at admission: a stream closed before its first step never ran this body
         try:
             if p.n == 1:
                 async with aclosing(self._run_one(request_id, p.prompt_token_ids, p.params, disaggregate)) as one:
