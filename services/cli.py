@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -19,7 +20,10 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-replicas", type=int)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=9000,
+                   help="gRPC API port; Serve's gRPC proxy listens on every interface (0: no gRPC API)")
     p.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
+    p.add_argument("--api-key-file", help="require a Bearer key listed in this file (one per line)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray instance")
     return p
 
@@ -38,16 +42,20 @@ def _config(args: argparse.Namespace, redis_url: str | None):
             base.setdefault(role, {})["num_replicas"] = count
     if args.api_key:
         base.setdefault("router", {})["api_keys"] = args.api_key
+    if args.api_key_file:
+        base.setdefault("router", {})["api_keys_file"] = str(Path(args.api_key_file).resolve())
     return SystemConfig.model_validate(base)
 
 
 def serve_main(argv: list[str]) -> int:
     import ray
     from ray import serve
+    from ray.serve.config import gRPCOptions
 
     from pdserve.redis_server import RedisServer, find_server_binary
     from pdserve.services.app import build_system
     from pdserve.services.kvstore.app import build_app as build_kvstore
+    from pdserve.v1 import SERVICER_FUNCTION
 
     args = _serve_parser().parse_args(argv)
     stop = threading.Event()  # set by Ctrl-C or SIGTERM, also during startup: then we shut down right after
@@ -65,7 +73,9 @@ def serve_main(argv: list[str]) -> int:
     # address="local": always a fresh instance of our own, never an unrelated cluster found on the host
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False)
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        grpc_options = (gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION])
+                        if args.grpc_port else None)
+        serve.start(http_options={"host": args.host, "port": args.port}, grpc_options=grpc_options)
         if (kv := config.kvstore_config()) is not None:
             serve.run(build_kvstore(kv), name="kvstore", route_prefix=None)
         serve.run(build_system(config), name="pdserve", route_prefix="/")
@@ -74,6 +84,8 @@ def serve_main(argv: list[str]) -> int:
         print(f"  curl -N {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{config.model}\", \"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}}'",
               flush=True)
+        if args.grpc_port:
+            print(f"  gRPC pdserve.v1.GenerateService at {args.host}:{args.grpc_port}", flush=True)
         stop.wait()
         print("shutting down", flush=True)
     finally:

@@ -31,6 +31,10 @@ class WorkerConfig(BaseModel):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1.0, ge=0)  # Ray CPUs per replica; also its torch thread count
     label_selector: dict[str, str] = Field(default_factory=dict)  # node labels (compute- vs bandwidth-optimized)
+    # Serve-level bounds: calls a replica runs at once (Serve's own default is 5, too few to batch), and
+    # calls waiting at the caller's handle beyond that; past it the router answers 503 with Retry-After.
+    max_ongoing_requests: int = Field(128, ge=1)
+    max_queued_requests: int = Field(512, ge=1)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -47,6 +51,12 @@ class WorkerConfig(BaseModel):
         if self.label_selector:
             options["label_selector"] = dict(self.label_selector)
         return options
+
+    def deployment_options(self) -> dict[str, Any]:
+        return {
+            "num_replicas": self.num_replicas, "ray_actor_options": self.actor_options(),
+            "max_ongoing_requests": self.max_ongoing_requests, "max_queued_requests": self.max_queued_requests,
+        }
 
 
 def build_transport(config: WorkerConfig, engine: AsyncLLMEngine) -> KVTransport:

@@ -57,6 +57,4 @@ class DecodeDeployment:
 
 def build_app(config: WorkerConfig | dict[str, Any]) -> Application:
     cfg = config if isinstance(config, WorkerConfig) else WorkerConfig.model_validate(config)
-    return DecodeDeployment.options(
-        num_replicas=cfg.num_replicas, ray_actor_options=cfg.actor_options()
-    ).bind(cfg.model_dump())
+    return DecodeDeployment.options(**cfg.deployment_options()).bind(cfg.model_dump())

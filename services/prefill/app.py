@@ -38,9 +38,14 @@ class PrefillDeployment:
         (delta,) = [d async for d in self.engine.generate(gen)]
         handoff = None
         if delta.kv_handoff is not None:
-            handoff = (await self.exporter.export(delta.kv_handoff)).to_dict()
+            try:
+                handoff = (await self.exporter.export(delta.kv_handoff)).to_dict()
+            except BaseException:  # cancelled (client gone) or failed: nobody will ever pull this lease
+                await self.abort(delta.kv_handoff.lease_id)
+                raise
         return {
             "first_token_id": delta.token_ids[0], "text": delta.text, "finish_reason": delta.finish_reason,
+            "logprobs": delta.logprobs, "top_logprobs": delta.top_logprobs,
             "num_cached_tokens": delta.num_cached_tokens, "handoff": handoff,
         }
 
@@ -57,6 +62,4 @@ class PrefillDeployment:
 
 def build_app(config: WorkerConfig | dict[str, Any]) -> Application:
     cfg = config if isinstance(config, WorkerConfig) else WorkerConfig.model_validate(config)
-    return PrefillDeployment.options(
-        num_replicas=cfg.num_replicas, ray_actor_options=cfg.actor_options()
-    ).bind(cfg.model_dump())
+    return PrefillDeployment.options(**cfg.deployment_options()).bind(cfg.model_dump())

@@ -20,8 +20,10 @@ from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared, check_auth, params_to_dict, prepare, read_json
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.errors import APIError, error_body
+from pdserve.services.router.grpc_api import GrpcServiceMixin
 from pdserve.services.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.services.router.policy import decide
+from pdserve.services.router.streaming import first_event, prepend, sse_stream, upstream_error
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
@@ -68,7 +70,7 @@ def _model_vocab_size(model_dir: Path, tokenizer: Tokenizer) -> int:
 
 @serve.deployment(name="router")
 @serve.ingress(fastapi_app)
-class RouterDeployment:
+class RouterDeployment(GrpcServiceMixin):
     def __init__(
         self, config: dict[str, Any], prefill: DeploymentHandle | None, decode: DeploymentHandle
     ) -> None:
@@ -125,12 +127,14 @@ class RouterDeployment:
             check_auth(request, self.api_keys)
             data = await read_json(request, self.config.max_body_bytes)
             prepared, meta, events = self._start(data, chat, request.state.request_id)
+            first = await first_event(events, self.config.retry_after_s)
         except APIError as err:
             return self._reject(err, endpoint)
         self.metrics.requests.labels(endpoint, "200").inc()
+        events = prepend(first, events)
         if prepared.stream:
-            return StreamingResponse(self._sse(meta, prepared, events), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(sse_stream(meta, prepared, events, self.tokenizer),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             choices = [oa.Choice(i) for i in range(prepared.n)]
             async for index, event in events:
@@ -138,7 +142,8 @@ class RouterDeployment:
             return JSONResponse(oa.response_body(meta, choices, len(prepared.prompt_token_ids), self.tokenizer,
                                                  prepared.want_logprobs))
         except Exception as exc:
-            return JSONResponse(error_body(f"generation failed: {exc}", "internal_error"), status_code=500)
+            err = upstream_error(exc, self.config.retry_after_s)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
         finally:
             await events.aclose()
 
@@ -154,7 +159,7 @@ class RouterDeployment:
                            headers={"Retry-After": str(self.config.retry_after_s)})
         meta = oa.ResponseMeta(("chatcmpl-" if chat else "cmpl-") + request_id, self.config.served_model_name, chat)
         decision = decide(self.config.mode, len(prepared.prompt_token_ids), self.config.disaggregate_min_prompt_tokens,
-                          self.prefill is not None, prepared.want_logprobs)
+                          self.prefill is not None)
         self.metrics.decisions.labels("disaggregate" if decision.disaggregate else "skip", decision.reason).inc(prepared.n)
         self.metrics.prompt_tokens.inc(len(prepared.prompt_token_ids) * prepared.n)
         return prepared, meta, self._merged(request_id, prepared, decision.disaggregate)
@@ -173,26 +178,6 @@ class RouterDeployment:
         self.metrics.inflight.set(self.num_inflight)
 
     # ---- streams
-
-    async def _sse(self, meta: oa.ResponseMeta, p: Prepared, events: AsyncIterator) -> AsyncIterator[bytes]:
-        started = [False] * p.n
-        offsets = [0] * p.n
-        num_tokens = 0
-        try:
-            async for index, event in events:
-                num_tokens += len(event.get("token_ids") or ())
-                part = oa.choice_chunk(meta, index, event, self.tokenizer, p.want_logprobs, offsets[index],
-                                       not started[index])
-                started[index] = True
-                offsets[index] += len(event.get("text") or "")
-                yield oa.chunk(meta, [part], p.include_usage)
-            if p.include_usage:
-                yield oa.chunk(meta, [], True, oa.usage(len(p.prompt_token_ids), num_tokens))
-        except Exception as exc:  # after the 200 went out, errors travel in the stream
-            yield oa.sse(error_body(f"generation failed: {type(exc).__name__}: {exc}", "internal_error"))
-        finally:
-            await events.aclose()
-        yield oa.DONE
 
     async def _merged(self, request_id: str, p: Prepared, disaggregate: bool) -> AsyncIterator[tuple[int, dict]]:
         """(choice index, event) from n sub-requests; closing it cancels them all (engines abort, KV frees)."""
@@ -254,13 +239,14 @@ class RouterDeployment:
             if disaggregate:
                 first = await self.prefill.prefill.remote(request)
                 handoff, first_token_id = first["handoff"], first["first_token_id"]
-                first_event = {"token_ids": [first_token_id], "text": first["text"], "finished": False}
+                first_token = {"token_ids": [first_token_id], "text": first["text"], "finished": False,
+                               "logprobs": first["logprobs"], "top_logprobs": first["top_logprobs"]}
                 if first["finish_reason"] is not None or handoff is None:
                     finished = handoff is None
-                    yield {**first_event, "finished": True, "finish_reason": first["finish_reason"]}
+                    yield {**first_token, "finished": True, "finish_reason": first["finish_reason"]}
                     return
                 stream = self.decode.options(stream=True).generate.remote(request, handoff, first_token_id)
-                yield first_event
+                yield first_token
             else:
                 stream = self.decode.options(stream=True).generate.remote(request)
             async for event in stream:
@@ -298,5 +284,8 @@ def build_app(
     if cfg.mode == "disaggregated" and prefill_app is None:
         raise ValueError("disaggregated mode needs a prefill application")
     return RouterDeployment.options(
-        num_replicas=cfg.num_replicas, ray_actor_options={"num_cpus": cfg.num_cpus}
+        num_replicas=cfg.num_replicas, ray_actor_options={"num_cpus": cfg.num_cpus},
+        # headroom over max_inflight, so the router itself sees the overflow and answers 429 at once
+        # instead of Serve's proxy queueing it silently
+        max_ongoing_requests=cfg.max_inflight + 32,
     ).bind(cfg.model_dump(), prefill_app if cfg.mode == "disaggregated" else None, decode_app)

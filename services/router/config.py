@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 API_KEYS_ENV = "PDSERVE_API_KEYS"
+API_KEYS_FILE_ENV = "PDSERVE_API_KEYS_FILE"
 
 
 class RouterConfig(BaseModel):
@@ -22,6 +23,7 @@ class RouterConfig(BaseModel):
     max_model_len: int = Field(2048, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1)
     api_keys: tuple[str, ...] = ()
+    api_keys_file: str | None = None  # one key per line; blank lines and '#' comments are skipped
     max_inflight: int = Field(256, ge=1)
     retry_after_s: int = Field(1, ge=0)
     health_timeout_s: float = Field(5.0, gt=0)
@@ -29,6 +31,11 @@ class RouterConfig(BaseModel):
     num_cpus: float = Field(0.5, ge=0)
 
     def resolved_api_keys(self) -> tuple[str, ...]:
-        """Configured keys plus those in $PDSERVE_API_KEYS (comma-separated); empty means no auth."""
-        from_env = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",")]
-        return tuple(dict.fromkeys([*self.api_keys, *(k for k in from_env if k)]))
+        """Configured keys, those in $PDSERVE_API_KEYS (comma-separated), and those in `api_keys_file`
+        or $PDSERVE_API_KEYS_FILE. Empty means no auth. A key file that cannot be read is an error."""
+        keys = [*self.api_keys, *(k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(","))]
+        for path in (self.api_keys_file, os.environ.get(API_KEYS_FILE_ENV)):
+            if path:
+                with open(path, encoding="utf-8") as f:
+                    keys += [line.strip() for line in f if not line.lstrip().startswith("#")]
+        return tuple(dict.fromkeys(k for k in keys if k))

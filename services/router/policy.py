@@ -10,16 +10,11 @@ class Decision(NamedTuple):
     reason: str
 
 
-def decide(
-    mode: str, num_prompt_tokens: int, min_prompt_tokens: int, has_prefill: bool, wants_logprobs: bool
-) -> Decision:
+def decide(mode: str, num_prompt_tokens: int, min_prompt_tokens: int, has_prefill: bool) -> Decision:
     if mode == "colocated":
         return Decision(False, "colocated")
     if not has_prefill:
         return Decision(False, "no_prefill_pool")
     if num_prompt_tokens < min_prompt_tokens:
         return Decision(False, "short_prompt")
-    # prefill returns no logprobs for the first token: keep the whole request on decode
-    if wants_logprobs:
-        return Decision(False, "logprobs")
     return Decision(True, "long_prompt")

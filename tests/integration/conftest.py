@@ -84,16 +84,20 @@ def ray_serve():
     """One local Ray + Serve instance for the whole session (a Ray start costs ~8 s)."""
     ray = pytest.importorskip("ray")
     from ray import serve
+    from ray.serve.config import gRPCOptions
 
     from pdserve.redis_server import free_port
+    from pdserve.v1 import SERVICER_FUNCTION
 
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    # HTTP on a free loopback port: `serve.http_port` tells tests where the proxy listens
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # HTTP and gRPC on free ports: `serve.http_port` / `serve.grpc_port` tell tests where the proxy listens
+    port, grpc_port = free_port(), free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]))
     serve.http_port = port
+    serve.grpc_port = grpc_port
     yield serve
     if started:
         serve.shutdown()

@@ -144,6 +144,16 @@ def test_logprobs(client):
     assert len(content) == 12 and all(len(c.top_logprobs) == 3 for c in content)
 
 
+def test_logprobs_when_disaggregated_match_the_colocated_path(server, client, colocated):
+    before = _metric(server, "pdserve_router_decisions_total", decision="disaggregate", reason="long_prompt")
+    disagg = client.completions.create(model="tiny", prompt=LONG_PROMPT, logprobs=2, **GREEDY).choices[0].logprobs
+    assert _metric(server, "pdserve_router_decisions_total", decision="disaggregate", reason="long_prompt") == before + 1
+    local = colocated.completions.create(model="tiny", prompt=LONG_PROMPT, logprobs=2, **GREEDY).choices[0].logprobs
+    assert disagg.tokens == local.tokens and len(disagg.token_logprobs) == 12
+    assert disagg.token_logprobs == pytest.approx(local.token_logprobs, abs=1e-4)
+    assert [sorted(t) for t in disagg.top_logprobs] == [sorted(t) for t in local.top_logprobs]
+
+
 def test_stop_string(client, llm):
     _, expected = _expected(llm, SHORT_PROMPT)
     stop = expected.text[4:6]
@@ -228,17 +238,20 @@ def _all_blocks_free(ray_serve):
     return True
 
 
-@pytest.mark.parametrize("prompt", [LONG_PROMPT, SHORT_PROMPT])
-def test_disconnect_mid_stream_frees_kv(server, ray_serve, prompt):
+@pytest.mark.parametrize("prompt,num_events", [(LONG_PROMPT, 3), (SHORT_PROMPT, 3), (LONG_PROMPT, 1)])
+def test_disconnect_mid_stream_frees_kv(server, ray_serve, prompt, num_events):
+    """num_events=1 on a long prompt: the client leaves right after prefill's first token, while decode
+    may still be pulling the KV; the prefill lease must be freed as well as decode's blocks."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=30) as http, http.stream("POST", f"{server}/v1/completions", json=body,
                      headers={"Authorization": f"Bearer {KEY}"}) as resp:
         assert resp.status_code == 200
         chunks = resp.iter_raw()  # keep a reference: dropping the iterator closes the response
         received = b""
-        while received.count(b"\n\n") < 3:
+        while received.count(b"\n\n") < num_events:
             received += next(chunks)
-        assert not _all_blocks_free(ray_serve)  # the request is running and holds KV
+        if num_events > 1:
+            assert not _all_blocks_free(ray_serve)  # the request is running and holds KV
         resp.close()
     deadline = time.monotonic() + 10
     while not _all_blocks_free(ray_serve):

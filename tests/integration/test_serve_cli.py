@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -26,11 +27,21 @@ def _get(url: str) -> int:
         return 0
 
 
+async def _grpc_text(port: int) -> str:
+    from pdserve.v1.client import GenerateClient
+
+    async with GenerateClient(f"127.0.0.1:{port}") as client:
+        parts = [c.text async for c in client.generate(model="tiny", text="Hello there, pdserve", max_tokens=8,
+                                                        ignore_eos=True, temperature=0.0)]
+    return "".join(parts)
+
+
 def test_pdserve_serve_streams_a_completion_and_shuts_down(tmp_path):
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.services.cli", "serve", "--port", str(port), "--num-cpus", "4"],
+        [sys.executable, "-m", "pdserve.services.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
+         "--num-cpus", "4"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
@@ -51,6 +62,8 @@ def test_pdserve_serve_streams_a_completion_and_shuts_down(tmp_path):
         assert lines[-1] == "data: [DONE]"
         chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert asyncio.run(_grpc_text(grpc_port)) == text  # the same greedy tokens over gRPC
     finally:
         proc.send_signal(signal.SIGINT)
         try:

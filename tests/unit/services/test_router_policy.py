@@ -10,16 +10,15 @@ from pdserve.services.router import Decision, RouterConfig, decide
 from pydantic import ValidationError
 
 
-@pytest.mark.parametrize("mode,num_tokens,has_prefill,logprobs,expected", [
-    ("disaggregated", 100, True, False, Decision(True, "long_prompt")),
-    ("disaggregated", 32, True, False, Decision(True, "long_prompt")),
-    ("disaggregated", 31, True, False, Decision(False, "short_prompt")),
-    ("disaggregated", 100, False, False, Decision(False, "no_prefill_pool")),
-    ("disaggregated", 100, True, True, Decision(False, "logprobs")),
-    ("colocated", 100, True, False, Decision(False, "colocated")),
+@pytest.mark.parametrize("mode,num_tokens,has_prefill,expected", [
+    ("disaggregated", 100, True, Decision(True, "long_prompt")),
+    ("disaggregated", 32, True, Decision(True, "long_prompt")),
+    ("disaggregated", 31, True, Decision(False, "short_prompt")),
+    ("disaggregated", 100, False, Decision(False, "no_prefill_pool")),
+    ("colocated", 100, True, Decision(False, "colocated")),
 ])
-def test_decision_table(mode, num_tokens, has_prefill, logprobs, expected):
-    assert decide(mode, num_tokens, 32, has_prefill, logprobs) == expected
+def test_decision_table(mode, num_tokens, has_prefill, expected):
+    assert decide(mode, num_tokens, 32, has_prefill) == expected
 
 
 def test_config_is_frozen_strict_and_merges_env_keys(monkeypatch):
@@ -34,6 +33,19 @@ def test_config_is_frozen_strict_and_merges_env_keys(monkeypatch):
     assert config.resolved_api_keys() == ("a", "b", "c")
     monkeypatch.delenv("PDSERVE_API_KEYS")
     assert RouterConfig().resolved_api_keys() == ()
+
+
+def test_api_keys_from_file(tmp_path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nsk-one\n\n  sk-two  \n")
+    assert RouterConfig(api_keys=("sk-zero",), api_keys_file=str(keys)).resolved_api_keys() == (
+        "sk-zero", "sk-one", "sk-two")
+    other = tmp_path / "other"
+    other.write_text("sk-env\n")
+    monkeypatch.setenv("PDSERVE_API_KEYS_FILE", str(other))
+    assert RouterConfig().resolved_api_keys() == ("sk-env",)
+    with pytest.raises(FileNotFoundError):
+        RouterConfig(api_keys_file=str(tmp_path / "missing")).resolved_api_keys()
 
 
 def test_router_app_imports_no_torch():

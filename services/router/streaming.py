@@ -1,0 +1,78 @@
+"""A request's event stream on its way out: the first event decides the HTTP status, the rest is SSE.
+
+Events are (choice index, TokenDelta dict) pairs. Failures before the first event become a real
+status (503 with Retry-After for full worker queues); after the 200 went out, an error travels as an
+SSE chunk carrying `error`, followed by `[DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pdserve.models.tokenizer import Tokenizer
+from pdserve.services.router import openai_api as oa
+from pdserve.services.router.admission import Prepared
+from pdserve.services.router.errors import APIError
+
+Event = tuple[int, dict[str, Any]]
+
+
+def upstream_error(exc: BaseException, retry_after_s: int) -> APIError:
+    """An exception from a prefill or decode call, as the error the client sees."""
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, BackPressureError):
+        return APIError(503, "worker queues are full; retry later", code="overloaded", reason="backpressure",
+                        headers={"Retry-After": str(retry_after_s)})
+    if isinstance(exc, DeploymentUnavailableError):
+        return APIError(503, f"no healthy worker: {exc}", code="unavailable", reason="unavailable",
+                        headers={"Retry-After": str(retry_after_s)})
+    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="internal_error",
+                    reason="internal_error")
+
+
+async def first_event(events: AsyncIterator[Event], retry_after_s: int) -> Event | None:
+    """Awaits the first event; on failure closes the stream (aborting its work) and raises APIError."""
+    try:
+        return await anext(events)
+    except StopAsyncIteration:
+        return None
+    except Exception as exc:
+        await events.aclose()
+        raise upstream_error(exc, retry_after_s) from None
+
+
+async def prepend(first: Event | None, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """`first` then the rest of `events`; closing this closes `events`."""
+    try:
+        if first is not None:
+            yield first
+        async for event in events:
+            yield event
+    finally:
+        await events.aclose()
+
+
+async def sse_stream(
+    meta: oa.ResponseMeta, p: Prepared, events: AsyncIterator[Event], tokenizer: Tokenizer
+) -> AsyncIterator[bytes]:
+    started = [False] * p.n
+    offsets = [0] * p.n
+    num_tokens = 0
+    try:
+        async for index, event in events:
+            num_tokens += len(event.get("token_ids") or ())
+            part = oa.choice_chunk(meta, index, event, tokenizer, p.want_logprobs, offsets[index], not started[index])
+            started[index] = True
+            offsets[index] += len(event.get("text") or "")
+            yield oa.chunk(meta, [part], p.include_usage)
+        if p.include_usage:
+            yield oa.chunk(meta, [], True, oa.usage(len(p.prompt_token_ids), num_tokens))
+    except Exception as exc:  # the 200 went out already: the error travels in the stream
+        yield oa.sse(upstream_error(exc, 0).body())
+    finally:
+        await events.aclose()
+    yield oa.DONE

@@ -1,0 +1,167 @@
+"""The router's gRPC layer without Ray: proto to HTTP body, events to chunks, errors to status codes."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from pdserve.services.router import openai_api as oa
+from pdserve.services.router.errors import APIError
+from pdserve.services.router.grpc_api import GrpcServiceMixin, grpc_status, request_body, response_chunk
+from pdserve.services.router.metrics import RouterMetrics
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1.client import build_request
+
+
+def test_status_mapping():
+    expected = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED",
+                429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 500: "INTERNAL", 418: "INTERNAL"}
+    assert {status: grpc_status(status).name for status in expected} == expected
+
+
+def test_completion_body_carries_only_what_was_set():
+    body, chat = request_body(build_request("tiny", "hi", max_tokens=0, temperature=0.0, seed=0, stop=["x"],
+                                            stop_token_ids=[2], include_usage=True))
+    assert not chat
+    assert body["prompt"] == "hi" and body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert (body["max_tokens"], body["temperature"], body["seed"]) == (0, 0.0, 0)
+    assert body["stop"] == ["x"] and body["stop_token_ids"] == [2]
+    assert "top_p" not in body and "n" not in body and "repetition_penalty" not in body and "logprobs" not in body
+
+
+def test_logprobs_follow_each_api():
+    body, _ = request_body(build_request("tiny", token_ids=[1, 2], logprobs=True, top_logprobs=3))
+    assert body["prompt"] == [1, 2] and body["logprobs"] == 3
+    body, chat = request_body(build_request("tiny", messages=[{"role": "user", "content": "x", "name": "a"}],
+                                            logprobs=True, top_logprobs=3))
+    assert chat and body["messages"] == [{"role": "user", "content": "x", "name": "a"}]
+    assert body["logprobs"] is True and body["top_logprobs"] == 3
+    with pytest.raises(APIError) as info:
+        request_body(build_request("tiny", "x", top_logprobs=3))
+    assert info.value.status == 400 and info.value.param == "top_logprobs"
+
+
+def test_a_prompt_is_required():
+    with pytest.raises(APIError) as info:
+        request_body(pb.GenerateRequest(model="tiny"))
+    assert info.value.status == 400 and info.value.param == "prompt"
+    assert request_body(build_request("tiny", token_ids=[]))[0]["prompt"] == []
+
+
+def test_response_chunk():
+    meta = oa.ResponseMeta("cmpl-1", "tiny", False)
+    event = {"token_ids": [5, 6], "text": "ab", "finished": True, "finish_reason": "length",
+             "logprobs": [-0.5, -0.25], "top_logprobs": [[(5, -0.5)], [(6, -0.25), (7, -3.0)]]}
+    chunk = response_chunk(meta, 1, event, want_logprobs=True)
+    assert (chunk.id, chunk.model, chunk.index, chunk.text) == ("cmpl-1", "tiny", 1, "ab")
+    assert list(chunk.token_ids) == [5, 6]
+    assert chunk.finish_reason == "length" and not chunk.HasField("usage")
+    assert [lp.logprob for lp in chunk.logprobs] == [-0.5, -0.25]
+    assert [(t.token_id, t.logprob) for t in chunk.logprobs[1].top] == [(6, -0.25), (7, -3.0)]
+    assert not response_chunk(meta, 0, {**event, "finished": False}, want_logprobs=False).logprobs
+    assert response_chunk(meta, 0, {**event, "finished": False}, want_logprobs=False).finish_reason == ""
+
+
+class FakeContext:
+    def __init__(self, metadata=()):
+        self.metadata = list(metadata)
+        self.code = self.details = None
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+
+class FakeRouter(GrpcServiceMixin):
+    def __init__(self, events, keys=()):
+        self.api_keys = keys
+        self.config = SimpleNamespace(max_body_bytes=1 << 16, served_model_name="tiny", max_model_len=128,
+                                      retry_after_s=1)
+        self.created = 0
+        self.metrics = RouterMetrics()
+        self.started = []
+        self.events = events
+
+    def _start(self, data, chat, request_id):
+        self.started.append((data, chat, request_id))
+        prepared = SimpleNamespace(want_logprobs=False, include_usage=True, prompt_token_ids=[1, 2, 3])
+        return prepared, oa.ResponseMeta("cmpl-" + request_id, "tiny", chat), self.events
+
+
+class Events:
+    def __init__(self, items, fail=None):
+        self.items, self.fail, self.closed = list(items), fail, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.items:
+            return self.items.pop(0)
+        if self.fail:
+            raise self.fail
+        raise StopAsyncIteration
+
+    async def aclose(self):
+        self.closed = True
+
+
+async def _collect(gen):
+    return [chunk async for chunk in gen]
+
+
+def test_generate_streams_then_usage_and_closes():
+    events = Events([(0, {"token_ids": [4], "text": "a", "finished": False}),
+                     (0, {"token_ids": [5], "text": "b", "finished": True, "finish_reason": "length"})])
+    router = FakeRouter(events)
+    context = FakeContext([("x-request-id", "r-1")])
+    chunks = asyncio.run(_collect(router.Generate(build_request("tiny", "hi"), grpc_context=context)))
+    assert [c.text for c in chunks] == ["a", "b", ""] and chunks[1].finish_reason == "length"
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (3, 2)
+    assert {c.id for c in chunks} == {"cmpl-r-1"} and events.closed and context.code is None
+
+
+def test_rejections_set_the_status_before_raising():
+    router = FakeRouter(Events([]), keys=("sk-1",))
+    for metadata in ([], [("authorization", "Bearer nope")]):
+        context = FakeContext(metadata)
+        with pytest.raises(RuntimeError):
+            asyncio.run(_collect(router.Generate(build_request("tiny", "hi"), grpc_context=context)))
+        assert context.code == grpc.StatusCode.UNAUTHENTICATED and "API key" in context.details
+    assert not router.started
+    context = FakeContext([("authorization", "Bearer sk-1")])
+    asyncio.run(_collect(router.Generate(build_request("tiny", "hi"), grpc_context=context)))
+    assert router.started and len(router.started[0][2]) == 32  # a fresh id without x-request-id
+
+
+def test_failure_mid_stream_is_internal_and_closes():
+    events = Events([(0, {"token_ids": [4], "text": "a", "finished": False})], fail=ValueError("boom"))
+    context = FakeContext()
+    chunks = []
+
+    async def run():
+        async for chunk in FakeRouter(events).Generate(build_request("tiny", "hi"), grpc_context=context):
+            chunks.append(chunk)
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(run())
+    assert [c.text for c in chunks] == ["a"] and events.closed
+    assert context.code == grpc.StatusCode.INTERNAL and "boom" in context.details
+
+
+def test_models_and_its_auth():
+    router = FakeRouter(Events([]), keys=("sk-1",))
+    keyed = FakeContext([("authorization", "Bearer sk-1")])
+    listing = asyncio.run(router.Models(pb.ModelsRequest(), grpc_context=keyed))
+    assert [(m.id, m.max_model_len, m.owned_by) for m in listing.models] == [("tiny", 128, "pdserve")]
+    context = FakeContext()
+    with pytest.raises(RuntimeError):
+        asyncio.run(router.Models(pb.ModelsRequest(), grpc_context=context))
+    assert context.code == grpc.StatusCode.UNAUTHENTICATED

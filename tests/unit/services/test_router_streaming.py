@@ -1,0 +1,94 @@
+"""The router's stream plumbing: the first event decides the status; later errors travel as SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from pdserve.sampling_params import SamplingParams
+from pdserve.services.router import openai_api as oa
+from pdserve.services.router.admission import Prepared
+from pdserve.services.router.errors import APIError
+from pdserve.services.router.streaming import first_event, prepend, sse_stream, upstream_error
+from ray.serve.exceptions import BackPressureError
+
+
+class ByteTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode("latin-1")
+
+
+class Events:
+    """An async iterator of events that raises `fail` after them, and records being closed."""
+
+    def __init__(self, events, fail=None):
+        self.events, self.fail, self.closed = list(events), fail, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.events:
+            return self.events.pop(0)
+        if self.fail is not None:
+            raise self.fail
+        raise StopAsyncIteration
+
+    async def aclose(self):
+        self.closed = True
+
+
+def _prepared(include_usage=False):
+    return Prepared(False, [1, 2, 3], SamplingParams(max_tokens=4), 1, True, include_usage, False)
+
+
+def _event(text, finished=False):
+    return 0, {"token_ids": [ord(text)], "text": text, "finished": finished,
+               "finish_reason": "length" if finished else None}
+
+
+async def _collect(agen):
+    return [part async for part in agen]
+
+
+def test_error_after_first_token_is_an_sse_chunk_then_done():
+    events = Events([_event("a"), _event("b")], fail=RuntimeError("decode replica died"))
+    meta = oa.ResponseMeta("cmpl-1", "tiny", False)
+    parts = asyncio.run(_collect(sse_stream(meta, _prepared(), events, ByteTokenizer())))
+    assert parts[-1] == oa.DONE and events.closed
+    bodies = [json.loads(p[6:]) for p in parts[:-1]]
+    assert [b["choices"][0]["text"] for b in bodies[:2]] == ["a", "b"]
+    error = bodies[2]["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "decode replica died" in error["message"] and error["type"] == "internal_error"
+
+
+def test_usage_chunk_counts_tokens():
+    events = Events([_event("a"), _event("b", finished=True)])
+    meta = oa.ResponseMeta("cmpl-2", "tiny", False)
+    parts = asyncio.run(_collect(sse_stream(meta, _prepared(include_usage=True), events, ByteTokenizer())))
+    usage = json.loads(parts[-2][6:])["usage"]
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_backpressure_before_first_event_is_503_with_retry_after_and_closes_stream():
+    events = Events([], fail=BackPressureError(num_queued_requests=3, max_queued_requests=3))
+    with pytest.raises(APIError) as info:
+        asyncio.run(first_event(events, retry_after_s=2))
+    assert info.value.status == 503 and info.value.headers == {"Retry-After": "2"}
+    assert info.value.reason == "backpressure" and events.closed
+
+
+def test_other_failures_map_to_500_and_api_errors_pass_through():
+    assert upstream_error(ValueError("boom"), 1).status == 500
+    given = APIError(429, "slow down")
+    assert upstream_error(given, 1) is given
+
+
+def test_prepend_replays_first_and_closes_source():
+    events = Events([_event("b")])
+    out = asyncio.run(_collect(prepend(_event("a"), events)))
+    assert [e[1]["text"] for e in out] == ["a", "b"] and events.closed
+    empty = Events([])
+    assert asyncio.run(_collect(prepend(None, empty))) == [] and empty.closed
