@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
         return serve_main(argv[1:])
+    if argv[:2] == ["bench", "router"]:  # needs the services, which the library's CLI may not import
+        from pdserve.services.bench import main as bench_router
+
+        return bench_router(argv[2:])
     from pdserve.cli import main as library_main
 
     return library_main(argv)

@@ -1,0 +1,191 @@
+"""`pdserve bench router`: what the router and the KV handoff add over a direct engine call.
+
+The same requests (a fixed token prompt, greedy, exact output length) go once straight into an
+in-process AsyncLLMEngine, and once over HTTP through the Serve app: disaggregated (every request
+takes the prefill pool and a KV handoff) and colocated (router + one engine). TTFT is the first
+streamed token (delta or SSE chunk), E2E the last; the differences are what serving adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+PATHS = ("disaggregated", "colocated")
+
+
+def _log(message: str) -> None:
+    print(f"[bench router] {message}", file=sys.stderr, flush=True)
+
+
+def _summary(samples: list[tuple[float, float]]) -> dict[str, float]:
+    ttft = np.array([s[0] for s in samples]) * 1e3
+    e2e = np.array([s[1] for s in samples]) * 1e3
+    return {
+        "ttft_ms_p50": round(float(np.percentile(ttft, 50)), 3), "ttft_ms_p99": round(float(np.percentile(ttft, 99)), 3),
+        "e2e_ms_p50": round(float(np.percentile(e2e, 50)), 3), "e2e_ms_p99": round(float(np.percentile(e2e, 99)), 3),
+        "num_requests": len(samples),
+    }
+
+
+async def _closed_loop(one, prompts: list[list[int]], concurrency: int) -> list[tuple[float, float]]:
+    queue: asyncio.Queue = asyncio.Queue()
+    for i, prompt in enumerate(prompts):
+        queue.put_nowait((i, prompt))
+    samples: list[tuple[float, float]] = []
+
+    async def worker() -> None:
+        while not queue.empty():
+            samples.append(await one(*queue.get_nowait()))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return samples
+
+
+def _direct_one(engine, max_tokens: int):
+    from pdserve.engine.outputs import GenerationRequest
+    from pdserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int]) -> tuple[float, float]:
+        start = time.perf_counter()
+        ttft = None
+        async for _ in engine.generate(GenerationRequest(f"direct-{i}-{random.random()}", tuple(prompt), params)):
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+        return ttft, time.perf_counter() - start
+
+    return one
+
+
+def _http_one(client, url: str, max_tokens: int):
+    async def one(i: int, prompt: list[int]) -> tuple[float, float]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}
+        start = time.perf_counter()
+        ttft = None
+        num_chunks = 0
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {await resp.aread()!r}")
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                    num_chunks += 1
+        if num_chunks != max_tokens:
+            raise RuntimeError(f"expected {max_tokens} token chunks, got {num_chunks}")
+        return ttft, time.perf_counter() - start
+
+    return one
+
+
+async def _levels(one, prompts: list[list[int]], concurrencies: list[int], num_requests: int) -> dict[str, Any]:
+    """A warm-up, then a closed loop at each concurrency level, each over max(num_requests, 4c) requests."""
+    await _closed_loop(one, prompts[:4], 1)
+    out = {}
+    for c in concurrencies:
+        n = max(num_requests, 4 * c)
+        out[str(c)] = _summary(await _closed_loop(one, (prompts * (n // len(prompts) + 1))[:n], c))
+    return out
+
+
+def _direct(prompts, concurrencies, num_requests, max_tokens) -> dict[str, Any]:
+    from pdserve.engine.async_engine import AsyncLLMEngine
+    from pdserve.worker import WorkerConfig
+
+    async def run() -> dict[str, Any]:
+        engine = AsyncLLMEngine.from_config(WorkerConfig(num_cpus=1).engine_config())
+        try:
+            return await _levels(_direct_one(engine, max_tokens), prompts, concurrencies, num_requests)
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
+
+
+def _routed(prompts, concurrencies, num_requests, max_tokens, env: dict[str, str]) -> dict[str, dict[str, Any]]:
+    import httpx
+    import ray
+    from ray import serve
+
+    from pdserve.redis_server import free_port
+    from pdserve.services.app import SystemConfig, build_system
+
+    port = free_port()
+    worker = {"num_cpus": 1, "num_blocks": 512}
+    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False,
+             runtime_env={"env_vars": env} if env else None)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        results = {}
+        for mode in PATHS:
+            config = SystemConfig(mode=mode, transport="ucx", prefill=worker, decode=worker,
+                                  router={"disaggregate_min_prompt_tokens": 0, "num_cpus": 0.5})
+            serve.run(build_system(config), name=mode, route_prefix=f"/{mode}")
+            _log(f"{mode}: deployed")
+
+            async def run(mode=mode) -> dict[str, Any]:
+                async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
+                    one = _http_one(client, f"http://127.0.0.1:{port}/{mode}", max_tokens)
+                    return await _levels(one, prompts, concurrencies, num_requests)
+
+            results[mode] = asyncio.run(run())
+            serve.delete(mode)
+        return results
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def run(
+    num_requests: int = 64, concurrencies: tuple[int, ...] = (1, 16), prompt_tokens: int = 16,
+    max_tokens: int = 16, seed: int = 0, env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(0, 256) for _ in range(prompt_tokens)] for _ in range(16)]
+    _log("direct engine")
+    direct = _direct(prompts, list(concurrencies), num_requests, max_tokens)
+    routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {})
+    result: dict[str, Any] = {
+        "bench": "router", "model": "tiny", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "prompt_tokens": prompt_tokens, "output_tokens": max_tokens, "env": env or {},
+    }
+    for c in concurrencies:
+        key = str(c)
+        block: dict[str, Any] = {"direct": direct[key], **{mode: routed[mode][key] for mode in PATHS}}
+        for mode, prefix in (("disaggregated", "added"), ("colocated", "colocated_added")):
+            for metric in ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p99"):
+                block[f"{prefix}_{metric}"] = round(routed[mode][key][metric] - direct[key][metric], 3)
+        result[f"concurrency_{c}"] = block
+    first = result[f"concurrency_{concurrencies[0]}"]
+    result["added_ttft_ms_p50"] = first["added_ttft_ms_p50"]
+    result["target_added_ttft_ms_p50"] = 5.0
+    result["meets_target"] = first["added_ttft_ms_p50"] <= 5.0
+    return result
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench router", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="one-line JSON")
+    p.add_argument("--requests", type=int, default=64, help="requests per concurrency level (at least 4x it)")
+    p.add_argument("--concurrency", default="1,16", help="comma-separated closed-loop concurrency levels")
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment for every Serve replica, e.g. OTEL_TRACES_EXPORTER=otlp (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    env = dict(item.split("=", 1) for item in args.env)
+    result = run(args.requests, tuple(int(c) for c in args.concurrency.split(",")), args.prompt_tokens,
+                 args.output_tokens, args.seed, env)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
