@@ -23,7 +23,9 @@ class WorkerConfig(BaseModel):
     kv_memory_bytes: int = Field(256 << 20, ge=1 << 20)
     num_blocks: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)  # per-step token budget: the prefill chunk size
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     lease_ttl_s: float = Field(30.0, gt=0)
     transport: Literal["ucx", "redis"] = "ucx"
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -41,9 +43,11 @@ class WorkerConfig(BaseModel):
             model=self.model, device=self.device, dtype=self.dtype, lease_ttl_s=self.lease_ttl_s,
             num_threads=max(1, int(self.num_cpus)),
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
-                              memory_budget_bytes=self.kv_memory_bytes),
+                              memory_budget_bytes=self.kv_memory_bytes,
+                              enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens),
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      enable_chunked_prefill=self.enable_chunked_prefill),
         )
 
     def actor_options(self) -> dict[str, Any]:
