@@ -21,6 +21,7 @@ def test_worker_configs_inherit_model_transport_and_redis(tmp_path):
     assert prefill.engine_config().num_threads == 2 and prefill.actor_options() == {"num_cpus": 2.0}
     assert decode.max_num_seqs == 8 and decode.num_replicas == 1
     assert decode.deployment_options()["max_ongoing_requests"] == 128
+    assert config.kvstore_config().redis_url == "redis://127.0.0.1:7777/0"
 
 
 def test_worker_scheduling_switches_reach_the_engine():
@@ -29,7 +30,6 @@ def test_worker_scheduling_switches_reach_the_engine():
     engine = worker.engine_config()
     assert engine.scheduler.enable_chunked_prefill is False and engine.scheduler.max_num_batched_tokens == 256
     assert engine.cache.enable_prefix_caching is False
-    assert config.kvstore_config().redis_url == "redis://127.0.0.1:7777/0"
 
 
 def test_invalid_configs_are_rejected():
