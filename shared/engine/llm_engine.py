@@ -163,6 +163,7 @@ class LLMEngine:
             seq.num_computed_tokens += 1
             self.block_manager.register_full_blocks(seq)
         for seq, num_new in batch.prefills:
+            seq.num_prefill_chunks += 1
             seq.num_computed_tokens += num_new
             self.block_manager.register_full_blocks(seq)
 
@@ -193,6 +194,8 @@ class LLMEngine:
                 top_logprobs=None if sampled.top_logprobs[i] is None else (tuple(sampled.top_logprobs[i]),),
                 num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
                 num_cached_tokens=seq.num_cached_tokens, kv_handoff=handoff,
+                queue_time_s=_queue_time(seq) if seq.num_output_tokens == 1 else None,
+                num_prefill_chunks=seq.num_prefill_chunks,
             ))
         return outputs
 
@@ -239,3 +242,9 @@ class LLMEngine:
             num_preemptions=self.num_preemptions,
             num_expired_leases=self.num_expired_leases,
         )
+
+
+def _queue_time(seq: Sequence) -> float | None:
+    if seq.first_scheduled_time is None:
+        return None
+    return max(0.0, seq.first_scheduled_time - seq.arrival_time)

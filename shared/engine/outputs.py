@@ -55,6 +55,8 @@ class TokenDelta:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     kv_handoff: KVHandoff | None = None
+    queue_time_s: float | None = None  # arrival to first scheduled, on the first token's delta only
+    num_prefill_chunks: int = 0
 
 
 @dataclass(frozen=True)

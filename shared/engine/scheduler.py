@@ -6,6 +6,8 @@ are freed and it goes back to the front of the waiting queue with its generated 
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -112,6 +114,8 @@ class Scheduler:
             self.block_manager.grow(seq, seq.num_computed_tokens + num_new)
             self.block_manager.record_prefix_lookup(len(seq), seq.num_cached_tokens)
             self.waiting.popleft()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.prefills.append((seq, num_new))

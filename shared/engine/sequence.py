@@ -38,6 +38,7 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     first_scheduled_time: float | None = None
+    num_prefill_chunks: int = 0  # engine steps that ran part of this prompt
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

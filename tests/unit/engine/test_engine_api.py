@@ -330,3 +330,15 @@ def test_preemption_under_a_small_pool_keeps_greedy_outputs(tiny_dir: Path, llm:
     assert small.engine.num_preemptions > 0
     assert small.engine.block_manager.num_free_blocks == 10 and not small.engine.requests
 
+
+
+def test_first_delta_reports_queue_time_and_prefill_chunks(tiny_dir: Path) -> None:
+    engine = LLMEngine(make_config(tiny_dir, max_num_batched_tokens=16, max_num_seqs=4))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    # 40 prompt tokens under a 16-token budget: chunks of 16, 16, 8; the second request waits behind it
+    out = run(engine, GenerationRequest("a", tuple(range(40)), params), GenerationRequest("b", (1, 2, 3), params))
+    first, second = out["a"]
+    assert first.num_prefill_chunks == 3 and first.queue_time_s is not None and first.queue_time_s >= 0
+    assert second.queue_time_s is None  # reported once, on the first token
+    assert out["b"][0].num_prefill_chunks == 1
+    assert out["b"][0].queue_time_s >= first.queue_time_s  # admitted after "a" had the budget
