@@ -23,6 +23,8 @@ class SystemConfig(BaseModel):
     decode: dict[str, Any] = Field(default_factory=dict)
     router: dict[str, Any] = Field(default_factory=dict)  # RouterConfig overrides
     kvstore: dict[str, Any] = Field(default_factory=dict)  # KVStoreConfig overrides
+    # OTEL_* variables for every replica (over each process's environment), e.g. an OTLP endpoint
+    tracing_env: dict[str, str] = Field(default_factory=dict)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> SystemConfig:
@@ -32,7 +34,7 @@ class SystemConfig(BaseModel):
             return cls.model_validate(yaml.safe_load(f) or {})
 
     def worker(self, role: Literal["prefill", "decode"]) -> WorkerConfig:
-        base: dict[str, Any] = {"model": self.model, "transport": self.transport}
+        base: dict[str, Any] = {"model": self.model, "transport": self.transport, "tracing_env": self.tracing_env}
         if self.redis_url:
             base["redis_url"] = self.redis_url
         if self.transport == "redis" and not self.redis_url:
@@ -53,5 +55,6 @@ def build_system(config: SystemConfig) -> Application:
     decode = build_decode(config.worker("decode"))
     prefill = build_prefill(config.worker("prefill")) if config.mode == "disaggregated" else None
     served = config.model if config.model == "tiny" else Path(config.model).name
-    router = {"model": config.model, "served_model_name": served, "mode": config.mode, **config.router}
+    router = {"model": config.model, "served_model_name": served, "mode": config.mode,
+              "tracing_env": config.tracing_env, **config.router}
     return build_router(router, prefill, decode)

@@ -37,6 +37,8 @@ class WorkerConfig(BaseModel):
     # calls waiting at the caller's handle beyond that; past it the router answers 503 with Retry-After.
     max_ongoing_requests: int = Field(128, ge=1)
     max_queued_requests: int = Field(512, ge=1)
+    # OTEL_* variables for this replica's tracing, over its process environment (which Ray may not pass on)
+    tracing_env: dict[str, str] = Field(default_factory=dict)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

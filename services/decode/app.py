@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from opentelemetry import trace
 from ray import serve
 from ray.serve import Application
 
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.outputs import GenerationRequest
-from pdserve.kvcache.handoff import KVImporter
+from pdserve import trace_attributes as ta
+from pdserve.kvcache.handoff import KVImporter, engine_layout
 from pdserve.kvcache.params import HandoffParams
+from pdserve.telemetry import Telemetry
 from pdserve.worker import WorkerConfig, build_transport, params_from_dict
 
 
@@ -22,6 +26,8 @@ class DecodeDeployment:
         self.config = WorkerConfig.model_validate(config)
         self.engine = engine or AsyncLLMEngine.from_config(self.config.engine_config())
         self.importer = KVImporter(self.engine, build_transport(self.config, self.engine))
+        self.telemetry = Telemetry("decode", self.config.model, self.config.tracing_env)
+        self.block_nbytes = engine_layout(self.engine).block_nbytes
 
     async def generate(
         self, request: dict[str, Any], handoff: dict[str, Any] | None = None, first_token_id: int | None = None
@@ -33,26 +39,69 @@ class DecodeDeployment:
         prompt = tuple(request["prompt_token_ids"])
         params = params_from_dict(request["params"])
         gen = GenerationRequest(request["request_id"], prompt, params)
-        if handoff is not None:
-            if first_token_id is None:
-                raise ValueError("a handoff needs the first token prefill produced")
-            result = await self.importer.import_kv(HandoffParams.from_dict(handoff))
-            if result.ok:
-                gen = dataclasses.replace(gen, adopt_lease_id=result.lease_id, first_token_id=first_token_id)
+        tracing, metrics = self.telemetry.tracing, self.telemetry.metrics
+        start = time.monotonic()
+        span = tracing.start_span(ta.SPAN_DECODE, context=self.telemetry.parent(request),
+                                  attributes={ta.DECODE_REPLICA: self.telemetry.replica})
+        num_tokens = 0
+        try:
+            if handoff is not None:
+                if first_token_id is None:
+                    raise ValueError("a handoff needs the first token prefill produced")
+                gen, fallback = await self._import(gen, HandoffParams.from_dict(handoff), first_token_id, span)
+                if fallback is not None:
+                    yield fallback
             else:
-                yield {"fallback": result.fallback_reason, "error": result.error}
-                rest = dataclasses.replace(
-                    params, max_tokens=params.max_tokens - 1, min_tokens=max(0, params.min_tokens - 1)
-                )
-                gen = GenerationRequest(request["request_id"], (*prompt, first_token_id), rest)
-        async for delta in self.engine.generate(gen):
-            yield dataclasses.asdict(delta)
+                metrics.add_prompt_tokens(len(prompt))
+            async for delta in self.engine.generate(gen):
+                if num_tokens == 0:
+                    queue = delta.queue_time_s or 0.0
+                    metrics.observe_queue(queue)
+                    metrics.add_prefix_cache_hit_tokens(delta.num_cached_tokens)
+                    span.set_attributes({ta.QUEUE_SECONDS: queue, ta.PREFILL_CHUNKS: delta.num_prefill_chunks,
+                                         "pdserve.decode.first_step_seconds": time.monotonic() - start})
+                num_tokens += len(delta.token_ids)
+                yield dataclasses.asdict(delta)
+        finally:
+            metrics.observe_decode(time.monotonic() - start)
+            metrics.add_generation_tokens(num_tokens)
+            span.set_attribute("pdserve.decode.tokens", num_tokens)
+            span.end()
+
+    async def _import(
+        self, gen: GenerationRequest, params: HandoffParams, first_token_id: int, span
+    ) -> tuple[GenerationRequest, dict[str, Any] | None]:
+        """The request adopting the pulled KV, or, on a failed import, one that prefills locally and
+        continues from the prompt plus prefill's first token, so the stream stays consistent (its events
+        then count that token in num_prompt_tokens), with the `fallback` event for the router. A fallback
+        is never silent: it is counted, traced, and announced."""
+        nbytes = len(params.block_ids) * self.block_nbytes
+        attributes = {ta.KV_TRANSPORT: params.transport, ta.KV_BLOCKS: len(params.block_ids), ta.KV_BYTES: nbytes}
+        start = time.monotonic()
+        with self.telemetry.tracing.span(ta.SPAN_KV_TRANSFER, context=trace.set_span_in_context(span),
+                                         attributes=attributes) as kv_span:
+            result = await self.importer.import_kv(params)
+            if not result.ok:
+                kv_span.set_attribute(ta.FALLBACK_REASON, result.fallback_reason)
+        if result.ok:
+            self.telemetry.metrics.observe_kv_transfer(time.monotonic() - start, nbytes, params.transport)
+            return dataclasses.replace(gen, adopt_lease_id=result.lease_id, first_token_id=first_token_id), None
+        self.telemetry.metrics.count_fallback(result.fallback_reason)
+        span.set_attribute(ta.FALLBACK_REASON, result.fallback_reason)
+        span.add_event(ta.EVENT_FALLBACK, {ta.FALLBACK_REASON: result.fallback_reason, "error": result.error or ""})
+        rest = dataclasses.replace(gen.params, max_tokens=gen.params.max_tokens - 1,
+                                   min_tokens=max(0, gen.params.min_tokens - 1))
+        local = GenerationRequest(gen.request_id, (*gen.prompt_token_ids, first_token_id), rest)
+        return local, {"fallback": result.fallback_reason, "error": result.error}
 
     def fallbacks(self) -> dict[str, int]:
         return dict(self.importer.fallbacks)
 
     def stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.stats())
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        return self.telemetry.worker_snapshot(self.engine.stats())
 
 
 def build_app(config: WorkerConfig | dict[str, Any]) -> Application:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from ray import serve
@@ -10,7 +11,9 @@ from ray.serve import Application
 
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.outputs import GenerationRequest
+from pdserve import trace_attributes as ta
 from pdserve.kvcache.handoff import KVExporter
+from pdserve.telemetry import Telemetry
 from pdserve.worker import WorkerConfig, build_transport, params_from_dict
 
 
@@ -21,6 +24,7 @@ class PrefillDeployment:
         self.engine = engine or AsyncLLMEngine.from_config(self.config.engine_config())
         self.transport = build_transport(self.config, self.engine)
         self.exporter = KVExporter(self.engine, self.transport)
+        self.telemetry = Telemetry("prefill", self.config.model, self.config.tracing_env)
         self._started = False
 
     async def _start(self) -> None:
@@ -35,18 +39,34 @@ class PrefillDeployment:
             request["request_id"], tuple(request["prompt_token_ids"]), params_from_dict(request["params"]),
             prefill_only=True,
         )
-        (delta,) = [d async for d in self.engine.generate(gen)]
-        handoff = None
-        if delta.kv_handoff is not None:
-            try:
-                handoff = (await self.exporter.export(delta.kv_handoff)).to_dict()
-            except BaseException:  # cancelled (client gone) or failed: nobody will ever pull this lease
-                await self.abort(delta.kv_handoff.lease_id)
-                raise
+        start = time.monotonic()
+        metrics = self.telemetry.metrics
+        with self.telemetry.tracing.span(ta.SPAN_PREFILL, context=self.telemetry.parent(request),
+                                         attributes={ta.PREFILL_REPLICA: self.telemetry.replica}) as span:
+            (delta,) = [d async for d in self.engine.generate(gen)]
+            elapsed = time.monotonic() - start
+            queue = delta.queue_time_s or 0.0
+            span.set_attributes({
+                ta.QUEUE_SECONDS: queue, ta.PREFILL_CHUNKS: delta.num_prefill_chunks,
+                ta.PROMPT_TOKENS: delta.num_prompt_tokens, ta.PREFIX_CACHE_HIT_TOKENS: delta.num_cached_tokens,
+                ta.KV_TRANSPORT: self.config.transport,
+            })
+            metrics.observe_queue(queue)
+            metrics.observe_prefill(elapsed - queue)
+            metrics.add_prompt_tokens(delta.num_prompt_tokens)
+            metrics.add_prefix_cache_hit_tokens(delta.num_cached_tokens)
+            handoff = None
+            if delta.kv_handoff is not None:
+                try:
+                    handoff = (await self.exporter.export(delta.kv_handoff)).to_dict()
+                except BaseException:  # cancelled (client gone) or failed: nobody will ever pull this lease
+                    await self.abort(delta.kv_handoff.lease_id)
+                    raise
+                span.set_attribute(ta.KV_BLOCKS, len(delta.kv_handoff.block_ids))
         return {
             "first_token_id": delta.token_ids[0], "text": delta.text, "finish_reason": delta.finish_reason,
             "logprobs": delta.logprobs, "top_logprobs": delta.top_logprobs,
-            "num_cached_tokens": delta.num_cached_tokens, "handoff": handoff,
+            "num_cached_tokens": delta.num_cached_tokens, "handoff": handoff, "replica": self.telemetry.replica,
         }
 
     async def abort(self, lease_id: str) -> bool:
@@ -58,6 +78,9 @@ class PrefillDeployment:
 
     def stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.stats())
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        return self.telemetry.worker_snapshot(self.engine.stats())
 
 
 def build_app(config: WorkerConfig | dict[str, Any]) -> Application:

@@ -21,7 +21,13 @@ from pdserve.services.router.admission import Prepared, check_auth, params_to_di
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.errors import APIError, error_body
 from pdserve.services.router.grpc_api import GrpcServiceMixin
-from pdserve.services.router.metrics import CONTENT_TYPE, RouterMetrics
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+from pdserve import trace_attributes as ta
+from pdserve.metrics import CONTENT_TYPE
+from pdserve.services.router.metrics import APIMetrics
+from pdserve.slo import SloWindow
+from pdserve.telemetry import Telemetry
 from pdserve.services.router.policy import decide
 from pdserve.services.router.streaming import first_event, prepend, sse_stream, upstream_error
 from ray import serve
@@ -81,7 +87,11 @@ class RouterDeployment(GrpcServiceMixin):
         model_dir = resolve_model_path(self.config.model)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.vocab_size = _model_vocab_size(model_dir, self.tokenizer)
-        self.metrics = RouterMetrics()
+        slo = SloWindow(self.config.slo_window_s, self.config.slo_ttft_s, self.config.slo_tpot_s)
+        self.telemetry = Telemetry("router", self.config.served_model_name, self.config.tracing_env, slo=slo)
+        self.metrics = self.telemetry.metrics
+        self.api_metrics = APIMetrics(self.metrics.registry)
+        self._worker_snapshots: dict[str, tuple[float, dict]] = {}  # replica -> (monotonic time, snapshot)
         self.num_inflight = 0
         self.created = int(time.time())
         self._background: set[asyncio.Task] = set()
@@ -101,7 +111,22 @@ class RouterDeployment(GrpcServiceMixin):
 
     @fastapi_app.get("/metrics")
     async def metrics_endpoint(self) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(self.metrics.render(await self._fresh_worker_snapshots()), media_type=CONTENT_TYPE)
+
+    async def _fresh_worker_snapshots(self) -> list[dict]:
+        """Each worker deployment answers with one replica's snapshot per call; replicas seen within
+        `metrics_staleness_s` stay in the exposition, so with several replicas every scrape refreshes
+        one of each role and the rest age out only when they stop answering."""
+        handles = [h for h in (self.prefill, self.decode) if h is not None]
+        replies = await asyncio.gather(*(h.metrics_snapshot.remote() for h in handles), return_exceptions=True)
+        now = time.monotonic()
+        for reply in replies:
+            if isinstance(reply, dict):
+                self._worker_snapshots[reply["replica"]] = (now, reply["metrics"])
+        for replica, (seen, _) in list(self._worker_snapshots.items()):
+            if now - seen > self.config.metrics_staleness_s:
+                del self._worker_snapshots[replica]
+        return [snapshot for _, snapshot in self._worker_snapshots.values()]
 
     # ---- OpenAI API
 
@@ -126,11 +151,12 @@ class RouterDeployment(GrpcServiceMixin):
         try:
             check_auth(request, self.api_keys)
             data = await read_json(request, self.config.max_body_bytes)
-            prepared, meta, events = self._start(data, chat, request.state.request_id)
+            parent = self.telemetry.tracing.context_from_headers(request.headers)
+            prepared, meta, events = self._start(data, chat, request.state.request_id, parent)
             first = await first_event(events, self.config.retry_after_s)
         except APIError as err:
             return self._reject(err, endpoint)
-        self.metrics.requests.labels(endpoint, "200").inc()
+        self.api_metrics.requests.labels(endpoint, "200").inc()
         events = prepend(first, events)
         if prepared.stream:
             return StreamingResponse(sse_stream(meta, prepared, events, self.tokenizer),
@@ -148,91 +174,142 @@ class RouterDeployment(GrpcServiceMixin):
             await events.aclose()
 
     def _start(
-        self, data: dict[str, Any], chat: bool, request_id: str
+        self, data: dict[str, Any], chat: bool, request_id: str, parent=None
     ) -> tuple[Prepared, oa.ResponseMeta, AsyncIterator[tuple[int, dict]]]:
-        """Admits a parsed body (raises APIError, touching no engine) and starts it. The caller must
-        iterate or `aclose()` the returned (choice index, event) stream: closing aborts everywhere."""
+        """Admits a parsed body (raises APIError, touching no engine) and starts it under a SERVER span
+        (child of `parent`, the caller's trace context). The caller must iterate or `aclose()` the
+        returned (choice index, event) stream: closing aborts everywhere."""
         prepared = prepare(data, chat, self.config, self.tokenizer, self.vocab_size)
         if self.num_inflight >= self.config.max_inflight:
             raise APIError(429, f"too many requests in flight ({self.config.max_inflight}); retry later",
                            code="too_many_requests", reason="overloaded",
                            headers={"Retry-After": str(self.config.retry_after_s)})
         meta = oa.ResponseMeta(("chatcmpl-" if chat else "cmpl-") + request_id, self.config.served_model_name, chat)
-        decision = decide(self.config.mode, len(prepared.prompt_token_ids), self.config.disaggregate_min_prompt_tokens,
-                          self.prefill is not None)
-        self.metrics.decisions.labels("disaggregate" if decision.disaggregate else "skip", decision.reason).inc(prepared.n)
-        self.metrics.prompt_tokens.inc(len(prepared.prompt_token_ids) * prepared.n)
-        return prepared, meta, self._merged(request_id, prepared, decision.disaggregate)
+        tracing = self.telemetry.tracing
+        span = tracing.start_span(ta.request_span_name(ta.operation_name(chat), meta.model), context=parent,
+                                  kind=SpanKind.SERVER, attributes=self._request_attributes(prepared, meta, request_id))
+        num_prompt_tokens = len(prepared.prompt_token_ids)
+        with tracing.span(ta.SPAN_ROUTE, context=trace.set_span_in_context(span)) as route:
+            decision = decide(self.config.mode, num_prompt_tokens, self.config.disaggregate_min_prompt_tokens,
+                              self.prefill is not None)
+            attributes = {ta.DISAGGREGATE: decision.disaggregate, ta.DECISION_REASON: decision.reason,
+                          "pdserve.route.candidates": ["prefill", "decode"] if self.prefill else ["decode"]}
+            route.set_attributes(attributes)
+            span.set_attributes(attributes)
+        self.metrics.count_decision("disaggregate" if decision.disaggregate else "skip", decision.reason, prepared.n)
+        self.metrics.add_prompt_tokens(num_prompt_tokens * prepared.n)
+        return prepared, meta, self._merged(request_id, prepared, decision.disaggregate, span, meta)
+
+    def _request_attributes(self, p: Prepared, meta: oa.ResponseMeta, request_id: str) -> dict[str, Any]:
+        if not self.telemetry.tracing.enabled:
+            return {}
+        return ta.request_attributes(
+            ta.operation_name(p.chat), meta.model, max_tokens=p.params.max_tokens, temperature=p.params.temperature,
+            top_p=p.params.top_p, top_k=p.params.top_k, seed=p.params.seed, stream=p.stream, choice_count=p.n,
+            request_id=request_id)
 
     def _reject(self, err: APIError, endpoint: str) -> JSONResponse:
-        self.metrics.rejections.labels(err.reason).inc()
-        self.metrics.requests.labels(endpoint, str(err.status)).inc()
+        self._count_rejection(err, endpoint)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    def _count_rejection(self, err: APIError, endpoint: str) -> None:
+        self.metrics.count_rejection(err.reason)
+        self.api_metrics.requests.labels(endpoint, str(err.status)).inc()
+        if err.status in (429, 503):  # turned away for load: a miss in the SLO window
+            self.metrics.record_request(ok=False)
 
     def _enter(self) -> None:
         self.num_inflight += 1
-        self.metrics.inflight.set(self.num_inflight)
+        self.api_metrics.inflight.set(self.num_inflight)
 
     def _exit(self) -> None:
         self.num_inflight -= 1
-        self.metrics.inflight.set(self.num_inflight)
+        self.api_metrics.inflight.set(self.num_inflight)
 
     # ---- streams
 
-    async def _merged(self, request_id: str, p: Prepared, disaggregate: bool) -> AsyncIterator[tuple[int, dict]]:
-        """(choice index, event) from n sub-requests; closing it cancels them all (engines abort, KV frees)."""
+    async def _merged(
+        self, request_id: str, p: Prepared, disaggregate: bool, span, meta: oa.ResponseMeta
+    ) -> AsyncIterator[tuple[int, dict]]:
+        """(choice index, event) from n sub-requests; closing it cancels them all (engines abort, KV frees).
+        Ends the request's span and records its TTFT/TPOT/E2E and SLO outcome (not for client aborts)."""
         start = time.monotonic()
-        first_seen = False
+        ttft = None
+        num_tokens = [0] * p.n
+        finish_reasons: list[str] = []
+        outcome = None  # True: finished, False: failed; None: the client went away
+        carrier = self.telemetry.tracing.inject(span)
         self._enter()  # here, not at admission: a stream closed before its first step never ran this body
         try:
-            if p.n == 1:
-                async with aclosing(self._run_one(request_id, p.prompt_token_ids, p.params, disaggregate)) as one:
-                    async for event in one:
-                        if not first_seen and event.get("token_ids"):
-                            first_seen = True
-                            self.metrics.ttft.observe(time.monotonic() - start)
-                        self.metrics.generation_tokens.inc(len(event.get("token_ids") or ()))
-                        yield 0, event
-                return
-            queue: asyncio.Queue = asyncio.Queue()
-
-            async def pump(i: int) -> None:
-                try:
-                    one = self._run_one(f"{request_id}-{i}", p.prompt_token_ids, p.params_for(i), disaggregate)
-                    async with aclosing(one):
-                        async for event in one:
-                            queue.put_nowait((i, event))
-                    queue.put_nowait((i, None))
-                except Exception as exc:
-                    queue.put_nowait((i, exc))
-
-            tasks = [asyncio.create_task(pump(i)) for i in range(p.n)]
-            try:
-                remaining = p.n
-                while remaining:
-                    i, event = await queue.get()
-                    if event is None:
-                        remaining -= 1
-                        continue
-                    if isinstance(event, Exception):
-                        raise event
-                    if not first_seen and event.get("token_ids"):
-                        first_seen = True
-                        self.metrics.ttft.observe(time.monotonic() - start)
-                    self.metrics.generation_tokens.inc(len(event.get("token_ids") or ()))
-                    yield i, event
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            async for index, event in self._choices(request_id, p, disaggregate, carrier):
+                count = len(event.get("token_ids") or ())
+                if ttft is None and count:
+                    ttft = time.monotonic() - start
+                    span.add_event(ta.EVENT_FIRST_TOKEN)
+                num_tokens[index] += count
+                if event.get("finished"):
+                    finish_reasons.append(event.get("finish_reason") or "")
+                yield index, event
+            outcome = True
+        except Exception as exc:
+            outcome = False
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+            raise
         finally:
-            self.metrics.e2e.observe(time.monotonic() - start)
             self._exit()
+            total = sum(num_tokens)
+            self.metrics.add_generation_tokens(total)
+            if outcome is not None:
+                self.metrics.record_request(ok=outcome, ttft_s=ttft, e2e_s=time.monotonic() - start,
+                                            output_tokens=max(num_tokens))
+            if span.is_recording():
+                span.set_attributes(ta.response_attributes(
+                    response_id=meta.id, model=meta.model, input_tokens=len(p.prompt_token_ids),
+                    output_tokens=total, finish_reasons=finish_reasons or ["abort"]))
+            span.end()
+
+    async def _choices(
+        self, request_id: str, p: Prepared, disaggregate: bool, carrier: dict[str, str]
+    ) -> AsyncIterator[tuple[int, dict]]:
+        if p.n == 1:
+            async with aclosing(self._run_one(request_id, p.prompt_token_ids, p.params, disaggregate, carrier)) as one:
+                async for event in one:
+                    yield 0, event
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                one = self._run_one(f"{request_id}-{i}", p.prompt_token_ids, p.params_for(i), disaggregate, carrier)
+                async with aclosing(one):
+                    async for event in one:
+                        queue.put_nowait((i, event))
+                queue.put_nowait((i, None))
+            except Exception as exc:
+                queue.put_nowait((i, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(p.n)]
+        try:
+            remaining = p.n
+            while remaining:
+                i, event = await queue.get()
+                if event is None:
+                    remaining -= 1
+                    continue
+                if isinstance(event, Exception):
+                    raise event
+                yield i, event
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run_one(
-        self, request_id: str, prompt_ids: list[int], params, disaggregate: bool
+        self, request_id: str, prompt_ids: list[int], params, disaggregate: bool, carrier: dict[str, str]
     ) -> AsyncIterator[dict[str, Any]]:
-        request = {"request_id": request_id, "prompt_token_ids": prompt_ids, "params": params_to_dict(params)}
+        request = {"request_id": request_id, "prompt_token_ids": prompt_ids, "params": params_to_dict(params),
+                   "trace": carrier}
         handoff = first_token_id = stream = None
         finished = imported = False
         try:
@@ -251,8 +328,7 @@ class RouterDeployment(GrpcServiceMixin):
                 stream = self.decode.options(stream=True).generate.remote(request)
             async for event in stream:
                 imported = True
-                if "fallback" in event:
-                    self.metrics.fallbacks.labels(event["fallback"]).inc()
+                if "fallback" in event:  # counted and traced by decode, whose /metrics series carry the reason
                     continue
                 finished = bool(event.get("finished"))
                 yield event

@@ -27,6 +27,12 @@ class RouterConfig(BaseModel):
     max_inflight: int = Field(256, ge=1)
     retry_after_s: int = Field(1, ge=0)
     health_timeout_s: float = Field(5.0, gt=0)
+    # SLOs behind the pdserve_slo_attainment gauges (sliding window), and per-replica metrics freshness
+    slo_ttft_s: float = Field(2.0, gt=0)
+    slo_tpot_s: float = Field(0.2, gt=0)
+    slo_window_s: float = Field(60.0, gt=0)
+    metrics_staleness_s: float = Field(60.0, gt=0)
+    tracing_env: dict[str, str] = Field(default_factory=dict)  # OTEL_* over the replica's process environment
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.5, ge=0)
 

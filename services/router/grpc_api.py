@@ -111,7 +111,8 @@ def request_id_of(grpc_context) -> str:
 
 
 class GrpcServiceMixin:
-    """GenerateService methods for RouterDeployment; uses its api_keys, config, created, metrics, _start."""
+    """GenerateService methods for RouterDeployment; uses its api_keys, config, created, api_metrics,
+    telemetry, _start and _count_rejection."""
 
     async def Generate(
         self, request: pb.GenerateRequest, grpc_context=None
@@ -122,10 +123,12 @@ class GrpcServiceMixin:
                 raise APIError(413, f"request exceeds {self.config.max_body_bytes} bytes",
                                code="request_too_large", reason="body_too_large")
             body, chat = request_body(request)
-            prepared, meta, events = self._start(body, chat, request_id_of(grpc_context))
+            parent = self.telemetry.tracing.context_from_headers(
+                grpc_context.invocation_metadata() if grpc_context is not None else None)
+            prepared, meta, events = self._start(body, chat, request_id_of(grpc_context), parent)
         except APIError as err:
             raise self._grpc_reject(err, "grpc_generate", grpc_context) from None
-        self.metrics.requests.labels("grpc_generate", "200").inc()
+        self.api_metrics.requests.labels("grpc_generate", "200").inc()
         num_tokens = 0
         try:
             async for index, event in events:
@@ -155,8 +158,7 @@ class GrpcServiceMixin:
         ])
 
     def _grpc_reject(self, err: APIError, endpoint: str, grpc_context) -> Exception:
-        self.metrics.rejections.labels(err.reason).inc()
-        self.metrics.requests.labels(endpoint, str(err.status)).inc()
+        self._count_rejection(err, endpoint)
         return _abort(grpc_context, grpc_status(err.status), err.message)
 
 

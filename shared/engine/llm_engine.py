@@ -171,6 +171,7 @@ class LLMEngine:
         outputs = []
         for i, seq in enumerate(seqs):
             token = sampled.token_ids[i]
+            seq.num_deltas += 1
             seq.token_ids.append(token)
             state = self.requests[seq.request_id]
             reason, stop_reason, text = self._check_stop(seq, state.detokenizer, token)
@@ -194,7 +195,7 @@ class LLMEngine:
                 top_logprobs=None if sampled.top_logprobs[i] is None else (tuple(sampled.top_logprobs[i]),),
                 num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
                 num_cached_tokens=seq.num_cached_tokens, kv_handoff=handoff,
-                queue_time_s=_queue_time(seq) if seq.num_output_tokens == 1 else None,
+                queue_time_s=_queue_time(seq) if seq.num_deltas == 1 else None,
                 num_prefill_chunks=seq.num_prefill_chunks,
             ))
         return outputs

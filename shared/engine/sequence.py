@@ -39,6 +39,7 @@ class Sequence:
     generator: torch.Generator | None = None
     first_scheduled_time: float | None = None
     num_prefill_chunks: int = 0  # engine steps that ran part of this prompt
+    num_deltas: int = 0  # TokenDeltas emitted (an adopted sequence starts past its first token)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

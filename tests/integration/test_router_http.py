@@ -62,25 +62,25 @@ def _chat_ids(llm, messages):
 
 
 def _metric(server, name, **labels):
+    """The sum of the samples called `name` whose labels include `labels` (every role and replica)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(f"{server}/metrics").text
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{{want}}}" if want else f"{name} "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
 
 
 @pytest.mark.parametrize("prompt,reason", [(LONG_PROMPT, "long_prompt"), (SHORT_PROMPT, "short_prompt")])
 def test_completion_greedy_equals_engine(server, client, llm, prompt, reason):
     ids, expected = _expected(llm, prompt)
     decision = "disaggregate" if reason == "long_prompt" else "skip"
-    before = _metric(server, "pdserve_router_decisions_total", decision=decision, reason=reason)
+    before = _metric(server, "pdserve_disaggregation_decisions_total", decision=decision, reason=reason)
     resp = client.completions.create(model="tiny", prompt=prompt, **GREEDY)
     assert resp.choices[0].text == expected.text
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 12
     assert resp.usage.total_tokens == len(ids) + 12
-    assert _metric(server, "pdserve_router_decisions_total", decision=decision, reason=reason) == before + 1
+    assert _metric(server, "pdserve_disaggregation_decisions_total", decision=decision, reason=reason) == before + 1
 
     chunks = list(client.completions.create(model="tiny", prompt=prompt, stream=True,
                                             stream_options={"include_usage": True}, **GREEDY))
@@ -145,9 +145,9 @@ def test_logprobs(client):
 
 
 def test_logprobs_when_disaggregated_match_the_colocated_path(server, client, colocated):
-    before = _metric(server, "pdserve_router_decisions_total", decision="disaggregate", reason="long_prompt")
+    before = _metric(server, "pdserve_disaggregation_decisions_total", decision="disaggregate", reason="long_prompt")
     disagg = client.completions.create(model="tiny", prompt=LONG_PROMPT, logprobs=2, **GREEDY).choices[0].logprobs
-    assert _metric(server, "pdserve_router_decisions_total", decision="disaggregate", reason="long_prompt") == before + 1
+    assert _metric(server, "pdserve_disaggregation_decisions_total", decision="disaggregate", reason="long_prompt") == before + 1
     local = colocated.completions.create(model="tiny", prompt=LONG_PROMPT, logprobs=2, **GREEDY).choices[0].logprobs
     assert disagg.tokens == local.tokens and len(disagg.token_logprobs) == 12
     assert disagg.token_logprobs == pytest.approx(local.token_logprobs, abs=1e-4)
@@ -212,7 +212,7 @@ def test_api_key_required_but_health_and_metrics_open(server, client):
         openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0).models.list()
     assert httpx.get(f"{server}/health").status_code == 200
     assert httpx.get(f"{server}/metrics").status_code == 200
-    assert _metric(server, "pdserve_router_rejections_total", reason="unauthorized") >= 2
+    assert _metric(server, "pdserve_rejections_total", reason="unauthorized") >= 2
 
 
 def test_models_health_metrics_and_request_id(server, client):
@@ -225,8 +225,8 @@ def test_models_health_metrics_and_request_id(server, client):
     assert len(_post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}).headers["x-request-id"]) >= 16
     assert _post(server, "/v1/completions", {"prompt": "x"}, headers={"X-Request-Id": "bad-1"}).headers["x-request-id"] == "bad-1"
     text = httpx.get(f"{server}/metrics").text
-    for name in ("pdserve_router_requests_total", "pdserve_router_ttft_seconds_bucket",
-                 "pdserve_router_e2e_seconds_bucket", "pdserve_router_generation_tokens_total"):
+    for name in ("pdserve_router_requests_total", "pdserve_time_to_first_token_seconds_bucket",
+                 "pdserve_e2e_request_latency_seconds_bucket", "pdserve_generation_tokens_total"):
         assert name in text
 
 

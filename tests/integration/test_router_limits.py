@@ -83,7 +83,9 @@ def test_full_router_answers_429(ray_serve, limits):
 
     asyncio.run(scenario())
     _wait_kv_free(ray_serve, "limits-router")
-    assert "pdserve_router_rejections_total{reason=\"overloaded\"} 1.0" in httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics").text
+    assert 'pdserve_rejections_total{model="tiny",reason="overloaded",replica=' in text
+    assert 'pdserve_router_requests_total{endpoint="completions",status="429"} 1.0' in text
 
 
 def test_full_worker_queue_answers_503(ray_serve, limits):

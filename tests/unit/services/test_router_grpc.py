@@ -10,7 +10,9 @@ import pytest
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.errors import APIError
 from pdserve.services.router.grpc_api import GrpcServiceMixin, grpc_status, request_body, response_chunk
-from pdserve.services.router.metrics import RouterMetrics
+from pdserve.metrics import ServingMetrics
+from pdserve.services.router.metrics import APIMetrics
+from pdserve.tracing import Tracing
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1.client import build_request
 
@@ -85,14 +87,24 @@ class FakeRouter(GrpcServiceMixin):
         self.config = SimpleNamespace(max_body_bytes=1 << 16, served_model_name="tiny", max_model_len=128,
                                       retry_after_s=1)
         self.created = 0
-        self.metrics = RouterMetrics()
+        self.metrics = ServingMetrics("router", "r0", "tiny")
+        self.api_metrics = APIMetrics(self.metrics.registry)
+        self.telemetry = SimpleNamespace(tracing=Tracing.disabled())
         self.started = []
         self.events = events
 
-    def _start(self, data, chat, request_id):
+    def _start(self, data, chat, request_id, parent=None):
         self.started.append((data, chat, request_id))
         prepared = SimpleNamespace(want_logprobs=False, include_usage=True, prompt_token_ids=[1, 2, 3])
         return prepared, oa.ResponseMeta("cmpl-" + request_id, "tiny", chat), self.events
+
+
+def _count_rejection(self, err, endpoint):
+    self.metrics.count_rejection(err.reason)
+    self.api_metrics.requests.labels(endpoint, str(err.status)).inc()
+
+
+FakeRouter._count_rejection = _count_rejection
 
 
 class Events:
