@@ -93,11 +93,13 @@ def ensure_tiny_checkpoint(cache_dir: str | Path | None = None) -> Path:
     return target
 
 
-def write_tiny_checkpoint(path: Path) -> None:
-    _write_json(path / "config.json", TINY_CONFIG)
+def write_tiny_checkpoint(path: Path, config: dict[str, Any] | None = None) -> None:
+    """`config`: a full config.json for a larger random Llama with the same tokenizer (default TINY_CONFIG)."""
+    config = config or TINY_CONFIG
+    _write_json(path / "config.json", config)
     from safetensors.torch import save_file  # torch only when the checkpoint must be written
 
-    save_file(tiny_state_dict(), str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tiny_state_dict(config), str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "tokenizer.json").write_text(build_tiny_tokenizer().to_str(pretty=True), encoding="utf-8")
     _write_json(
         path / "tokenizer_config.json",
@@ -106,7 +108,7 @@ def write_tiny_checkpoint(path: Path) -> None:
             "eos_token": EOS_TOKEN,
             "add_bos_token": True,
             "chat_template": CHAT_TEMPLATE,
-            "model_max_length": TINY_CONFIG["max_position_embeddings"],
+            "model_max_length": config["max_position_embeddings"],
             "tokenizer_class": "PreTrainedTokenizerFast",
         },
     )
@@ -116,8 +118,8 @@ def write_tiny_checkpoint(path: Path) -> None:
     )
 
 
-def tiny_state_dict() -> dict[str, Any]:
-    cfg = TINY_CONFIG
+def tiny_state_dict(config: dict[str, Any] | None = None) -> dict[str, Any]:
+    cfg = config or TINY_CONFIG
     hidden, inter, head_dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q_dim = cfg["num_attention_heads"] * head_dim
     kv_dim = cfg["num_key_value_heads"] * head_dim

@@ -1,0 +1,179 @@
+"""`pdserve-loadtest`: `run` (one load point against a URL), `sweep` (goodput of a URL), `scenario` (a YAML file)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def length_spec(text: str) -> int | dict[str, Any]:
+    """'128' or 'lognormal:mean=1500,std=500,min=64,max=3500' / 'uniform:low=1,high=9'."""
+    if text.isdigit():
+        return int(text)
+    kind, _, params = text.partition(":")
+    spec: dict[str, Any] = {"dist": kind}
+    for item in filter(None, params.split(",")):
+        key, _, value = item.partition("=")
+        spec[key.strip()] = float(value) if "." in value else int(value)
+    return spec
+
+
+def _workload_spec(args: argparse.Namespace) -> dict[str, Any]:
+    if args.workload:
+        import yaml
+
+        return yaml.safe_load(Path(args.workload).read_text(encoding="utf-8"))
+    if args.sharegpt:
+        return {"kind": "sharegpt", "path": args.sharegpt}
+    if args.mooncake:
+        return {"kind": "mooncake", "path": args.mooncake}
+    return {"kind": "synthetic", "prompt": length_spec(args.prompt_len), "output": length_spec(args.output_len)}
+
+
+def _target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback only by default)")
+    p.add_argument("--allow-remote", action="store_true", help="allow a --url whose host is not loopback")
+    p.add_argument("--model", default="tiny", help="tokenizer source: 'tiny' or the checkpoint directory served")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", help="YAML file with a workload mapping (kind: synthetic|sharegpt|mooncake, ...)")
+    w.add_argument("--sharegpt", help="ShareGPT-format JSON file")
+    w.add_argument("--mooncake", help="Mooncake trace JSONL file")
+    w.add_argument("--prompt-len", default="256", help="synthetic prompt lengths, e.g. 256 or lognormal:mean=1500,std=500")
+    w.add_argument("--output-len", default="64", help="synthetic output lengths")
+    ld = p.add_argument_group("load")
+    ld.add_argument("-n", "--num-requests", type=int, default=100)
+    ld.add_argument("--max-duration", type=float, default=300.0, help="wall-clock bound of each run (s)")
+    ld.add_argument("--arrival", default="poisson", choices=["poisson", "gamma", "constant", "trace"])
+    ld.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier")
+    ld.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("SLO")
+    s.add_argument("--slo-ttft-ms", type=float)
+    s.add_argument("--slo-tpot-ms", type=float)
+    s.add_argument("--slo-ttft-factor", type=float, help="x the target's idle TTFT (measured first)")
+    s.add_argument("--slo-tpot-factor", type=float, help="x the target's idle TPOT")
+    p.add_argument("--out", type=Path, help="output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when not a TTY)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve-loadtest", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="one load point against a running server")
+    _target_args(run)
+    mode = run.add_mutually_exclusive_group()
+    mode.add_argument("--rate", type=float, help="open loop: mean requests/s, default 1 ('inf': all at once)")
+    mode.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
+    sweep = sub.add_parser("sweep", help="goodput of a running server by a rate sweep with bisection")
+    _target_args(sweep)
+    sweep.add_argument("--rates", default="0.5,1,2", help="grid of rates (req/s), comma-separated, ascending")
+    sweep.add_argument("--max-runs", type=int, default=6)
+    sweep.add_argument("--rel-tol", type=float, default=0.1)
+    sweep.add_argument("--name", default="target", help="the target's name in the report")
+    scenario = sub.add_parser("scenario", help="deploy each target of a YAML scenario on a local Ray and compare")
+    scenario.add_argument("file", type=Path)
+    scenario.add_argument("--out", type=Path, required=True)
+    scenario.add_argument("--port", type=int, default=0, help="Serve HTTP port when Serve is started here")
+    scenario.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _slo_spec(args: argparse.Namespace):
+    from pdserve.loadtest.slo import SLOSpec
+
+    fields = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms,
+              "ttft_factor": args.slo_ttft_factor, "tpot_factor": args.slo_tpot_factor}
+    given = {k: v for k, v in fields.items() if v is not None}
+    return SLOSpec.from_dict(given) if given else None
+
+
+def _setup(args: argparse.Namespace):
+    import asyncio
+
+    from pdserve.loadtest.client import new_client, served_model
+    from pdserve.loadtest.runner import LoadConfig
+    from pdserve.loadtest.targets import check_url
+    from pdserve.loadtest.workloads import TokenSource, workload
+
+    url = check_url(args.url, args.allow_remote)
+
+    async def name() -> str:
+        async with new_client(1) as client:
+            return await served_model(client, url)
+
+    load = LoadConfig(args.num_requests, args.max_duration, args.arrival, args.burstiness, args.seed)
+    return url, asyncio.run(name()), TokenSource.for_model(args.model), workload(_workload_spec(args)), load
+
+
+def run_main(args: argparse.Namespace) -> int:
+    from pdserve.loadtest.evaluate import measure_idle
+    from pdserve.loadtest.runner import run_point
+    from pdserve.loadtest.slo import attainment, request_goodput
+
+    url, name, tokens, work, load = _setup(args)
+    rate = None if args.concurrency else (args.rate if args.rate is not None else 1.0)
+    spec = _slo_spec(args)
+    idle = measure_idle(url, name, tokens, work) if spec is not None and spec.needs_reference else None
+    run = run_point(url, name, tokens, work, load, rate=rate, concurrency=args.concurrency,
+                    progress=False if args.no_progress else None)
+    record: dict[str, Any] = {"url": url, "model": name, **run.to_dict()}
+    if spec is not None:
+        slo = spec.resolve(idle)
+        record.update(slo=slo.to_dict(), attainment=attainment(run.results, slo),
+                      goodput=request_goodput(run.results, slo, run.duration_s))
+    print(json.dumps({k: v for k, v in record.items() if k != "requests"}, indent=1))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "run.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+def sweep_main(args: argparse.Namespace) -> int:
+    from pdserve.loadtest.evaluate import measure_idle, sweep_target
+    from pdserve.loadtest.report import write_report
+    from pdserve.loadtest.sweep import SweepConfig
+
+    spec = _slo_spec(args)
+    if spec is None or args.out is None:
+        print("sweep needs an SLO (--slo-ttft-ms/--slo-ttft-factor and --slo-tpot-ms/--slo-tpot-factor) and --out",
+              file=sys.stderr)
+        return 2
+    url, name, tokens, work, load = _setup(args)
+    config = SweepConfig(tuple(float(r) for r in args.rates.split(",")), args.max_runs, args.rel_tol)
+    idle = measure_idle(url, name, tokens, work)
+    slo = spec.resolve(idle)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = sweep_target(args.name, url, name, tokens, work, load, config, slo, args.out, idle=idle,
+                          progress=False if args.no_progress else None, log=lambda m: print(m, file=sys.stderr))
+    meta = {"scenario": f"sweep of {url}", "model": name, "workload": _workload_spec(args),
+            "slo_spec": spec.__dict__, "slo_reference": args.name}
+    summary = write_report(args.out, [result], slo, config.rates[len(config.rates) // 2], config.target, meta)
+    target = summary["targets"][0]
+    print(json.dumps({"goodput": target["goodput"], "goodput_capped": target["goodput_capped"],
+                      "slo": summary["slo"]}, indent=1))
+    return 0
+
+
+def scenario_main(args: argparse.Namespace) -> int:
+    from pdserve.loadtest.scenario import Scenario, run_scenario
+
+    summary = run_scenario(Scenario.from_yaml(args.file), args.out, progress=False if args.no_progress else None,
+                           log=lambda m: print(m, file=sys.stderr, flush=True), port=args.port)
+    print(json.dumps(summary["comparison"], indent=1))
+    print(f"wrote {args.out / 'summary.md'}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return {"run": run_main, "sweep": sweep_main, "scenario": scenario_main}[args.command](args)
+    except ValueError as exc:
+        print(f"pdserve-loadtest: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

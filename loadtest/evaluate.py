@@ -1,0 +1,88 @@
+"""One target, end to end: its idle latency, then a goodput sweep; every run saved as JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pdserve.loadtest.distributions import Fixed
+from pdserve.loadtest.metrics import request_metrics
+from pdserve.loadtest.runner import LoadConfig, Run, run_load, run_point
+from pdserve.loadtest.slo import SLO, IdleLatency, attainment, request_goodput
+from pdserve.loadtest.sweep import SweepConfig, SweepResult, find_goodput
+from pdserve.loadtest.workloads import Synthetic, TokenSource, Workload
+
+PROBE_SEED = 0x1D1E
+
+
+@dataclass
+class TargetResult:
+    name: str
+    idle: IdleLatency | None
+    sweep: SweepResult
+    runs: dict[float, Run] = field(default_factory=dict)
+    slo: SLO | None = None
+    system: dict[str, Any] = field(default_factory=dict)
+
+    def attainment_at(self, rate: float) -> float:
+        return self.sweep.points[rate]
+
+    def goodput_at(self, rate: float) -> float:
+        run = self.runs[rate]
+        return request_goodput(run.results, self.slo, run.duration_s)
+
+
+def probe_workload(workload: Workload, tokens: TokenSource, seed: int = PROBE_SEED, sample: int = 64) -> Synthetic:
+    """Requests of the workload's mean prompt and output length, with prompts of their own (no cache hits)."""
+    try:
+        specs = workload.requests(tokens, sample, seed)
+    except ValueError:  # a short data set: what it has
+        specs = workload.requests(tokens, 4, seed)
+    prompt = max(1, round(float(np.mean([s.prompt_len for s in specs]))))
+    output = max(2, round(float(np.mean([s.output_len for s in specs]))))
+    return Synthetic(Fixed(prompt), Fixed(output))
+
+
+def measure_idle(base_url: str, model: str, tokens: TokenSource, workload: Workload, num_requests: int = 3,
+                 timeout_s: float = 120.0) -> IdleLatency:
+    """Median TTFT and TPOT of `num_requests` sequential requests, after one discarded warm-up request."""
+    specs = probe_workload(workload, tokens).requests(tokens, num_requests + 1, PROBE_SEED)
+    results, _ = asyncio.run(run_load(base_url, model, specs, timeout_s, concurrency=1))
+    measured = [request_metrics(r) for r in results[1:]]
+    if any(m is None for m in measured):
+        errors = "; ".join(r.error for r in results if not r.ok)
+        raise RuntimeError(f"idle probe failed at {base_url}: {errors}")
+    return IdleLatency(statistics.median(m.ttft_s for m in measured),
+                       statistics.median(m.tpot_s for m in measured))
+
+
+def sweep_target(
+    name: str, base_url: str, model: str, tokens: TokenSource, workload: Workload, load: LoadConfig,
+    sweep: SweepConfig, slo: SLO, out_dir: Path, *, idle: IdleLatency | None = None,
+    progress: bool | None = None, log: Callable[[str], None] = print,
+) -> TargetResult:
+    result = TargetResult(name, idle, SweepResult(), slo=slo)
+    runs_dir = out_dir / "runs" / name
+    runs_dir.mkdir(parents=True, exist_ok=True)
+
+    def measure(rate: float) -> float:
+        run = run_point(base_url, model, tokens, workload, load, rate=rate, progress=progress,
+                        label=f"{name} @ {rate:.3g} req/s")
+        result.runs[rate] = run
+        value = attainment(run.results, slo)
+        c = run.summary.counts
+        log(f"  {name} @ {rate:.3g} req/s: attainment {value:.0%}, {c.completed}/{c.total} completed "
+            f"({c.rejected} rejected, {c.errors} errors, {c.cancelled} cancelled) in {run.duration_s:.1f} s")
+        record = {"target": name, "rate": rate, "attainment": value,
+                  "goodput": request_goodput(run.results, slo, run.duration_s), "slo": slo.to_dict(), **run.to_dict()}
+        (runs_dir / f"rate-{rate:.4g}.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        return value
+
+    result.sweep = find_goodput(measure, sweep)
+    return result

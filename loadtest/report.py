@@ -1,0 +1,139 @@
+"""summary.json and summary.md: goodput per target, who wins and by how much, attainment by rate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pdserve.loadtest.evaluate import TargetResult
+from pdserve.loadtest.slo import SLO
+
+
+def ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.2f}×"
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def winner_of(targets: list[TargetResult]) -> TargetResult | None:
+    """The target with the highest goodput; None on a tie at the top or when none met the target."""
+    ranked = sorted(targets, key=lambda t: t.sweep.goodput, reverse=True)
+    if ranked[0].sweep.goodput <= 0 or (len(ranked) > 1 and ranked[0].sweep.goodput == ranked[1].sweep.goodput):
+        return None
+    return ranked[0]
+
+
+def summary_dict(targets: list[TargetResult], slo: SLO, cdf_rate: float, target_attainment: float,
+                 meta: dict[str, Any]) -> dict[str, Any]:
+    baseline, winner = targets[0], winner_of(targets)
+    out_targets = []
+    for t in targets:
+        points = [{"rate": r, "attainment": t.sweep.points[r], "goodput": t.goodput_at(r),
+                   "summary": t.runs[r].summary.to_dict()} for r in sorted(t.sweep.points)]
+        out_targets.append({
+            "name": t.name, "system": t.system, "idle": t.idle.to_dict() if t.idle else None,
+            "goodput": t.sweep.goodput, "goodput_capped": t.sweep.capped, "bracket": list(t.sweep.bracket),
+            "goodput_vs_baseline": ratio(t.sweep.goodput, baseline.sweep.goodput), "points": points,
+        })
+    return {
+        **meta, "slo": slo.to_dict(), "attainment_target": target_attainment, "cdf_rate": cdf_rate,
+        "targets": out_targets,
+        "comparison": {
+            "baseline": baseline.name, "winner": winner.name if winner else None,
+            "winner_vs": {t.name: ratio(winner.sweep.goodput, t.sweep.goodput) for t in targets if t is not winner}
+            if winner else {},
+        },
+    }
+
+
+def _slo_origin(meta: dict[str, Any]) -> str:
+    spec, reference = meta.get("slo_spec") or {}, meta.get("slo_reference")
+    parts = [f"{spec[f'{m}_factor']:g}× idle {m.upper()}" for m in ("ttft", "tpot") if spec.get(f"{m}_factor")]
+    return f" ({' and '.join(parts)} of `{reference}`)" if parts and reference else ""
+
+
+def _goodput_text(t: TargetResult) -> str:
+    return ("≥ " if t.sweep.capped else "") + f"{t.sweep.goodput:.3g}"
+
+
+def summary_markdown(targets: list[TargetResult], slo: SLO, cdf_rate: float, meta: dict[str, Any],
+                     target_attainment: float, plots: list[Path]) -> str:
+    baseline, winner = targets[0], winner_of(targets)
+    lines = [f"# Load test: {meta.get('scenario', 'run')}", ""]
+    if meta.get("description"):
+        lines += [meta["description"].strip(), ""]
+    lines += [
+        f"- model: `{meta.get('model', '?')}`",
+        f"- workload: `{json.dumps(meta.get('workload', {}))}`",
+        f"- SLO: TTFT ≤ {slo.ttft_s * 1e3:.0f} ms and TPOT ≤ {slo.tpot_s * 1e3:.1f} ms"
+        + _slo_origin(meta),
+        f"- goodput: the highest offered rate with SLO attainment ≥ {target_attainment:.0%}", "",
+        "## Verdict", "",
+    ]
+    if len(targets) == 1:
+        lines.append(f"`{baseline.name}`: goodput {_goodput_text(baseline)} req/s.")
+    elif max(t.sweep.goodput for t in targets) <= 0:
+        lines.append(f"No target reached {target_attainment:.0%} attainment at the lowest rate tried.")
+    elif winner is None:
+        top = max(t.sweep.goodput for t in targets)
+        tied = ", ".join(f"`{t.name}`" for t in targets if t.sweep.goodput == top)
+        lines.append(f"Tie: {tied} reach the same goodput ({top:.3g} req/s) within the sweep's resolution.")
+    else:
+        others = ", ".join(
+            f"{_fmt_ratio(ratio(winner.sweep.goodput, t.sweep.goodput))} `{t.name}` ({_goodput_text(t)} req/s)"
+            if t.sweep.goodput > 0 else f"`{t.name}` missed the target even at the lowest rate"
+            for t in targets if t is not winner)
+        lines.append(f"**`{winner.name}` wins** with goodput {_goodput_text(winner)} req/s"
+                     + (f": {others}." if others else "."))
+        if any(t.sweep.capped for t in targets):
+            lines.append("")
+            lines.append("≥: every rate tried met the target; the true goodput is higher (raise sweep.rates).")
+    lines += ["", "## Goodput", "",
+              f"| target | goodput (req/s) | vs `{baseline.name}` | idle TTFT (ms) | idle TPOT (ms) |",
+              "|---|---:|---:|---:|---:|"]
+    for t in targets:
+        idle = t.idle.to_dict() if t.idle else {}
+        lines.append(f"| `{t.name}` | {_goodput_text(t)} | {_fmt_ratio(ratio(t.sweep.goodput, baseline.sweep.goodput))}"
+                     f" | {_fmt(idle.get('ttft_ms'))} | {_fmt(idle.get('tpot_ms'), 1)} |")
+    rates = sorted({r for t in targets for r in t.sweep.points})
+    lines += ["", "## SLO attainment and goodput (within-SLO req/s) by offered rate", "",
+              "| rate (req/s) | " + " | ".join(f"`{t.name}`" for t in targets) + " |",
+              "|---:|" + "---:|" * len(targets)]
+    for r in rates:
+        cells = [f"{t.sweep.points[r]:.0%} ({t.goodput_at(r):.2f})" if r in t.sweep.points else "" for t in targets]
+        lines.append(f"| {r:.3g} | " + " | ".join(cells) + " |")
+    lines += ["", f"## Latency at {cdf_rate:g} req/s", "",
+              ("| target | attainment | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) | ITL p99 (ms) "
+               "| completed / total | rejected | errors | cancelled |"),
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for t in targets:
+        run = t.runs.get(cdf_rate)
+        if run is None:
+            continue
+        s, c = run.summary, run.summary.counts
+        lines.append(
+            f"| `{t.name}` | {t.sweep.points[cdf_rate]:.0%} "
+            f"| {' / '.join(_fmt(s.ttft_ms[k]) for k in ('p50', 'p90', 'p99'))} "
+            f"| {' / '.join(_fmt(s.tpot_ms[k], 1) for k in ('p50', 'p90', 'p99'))} | {_fmt(s.itl_ms['p99'], 1)} "
+            f"| {c.completed} / {c.total} | {c.rejected} | {c.errors} | {c.cancelled} |")
+    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def write_report(out_dir: Path, targets: list[TargetResult], slo: SLO, cdf_rate: float, target_attainment: float,
+                 meta: dict[str, Any]) -> dict[str, Any]:
+    from pdserve.loadtest.plots import write_plots
+
+    plots = write_plots(targets, slo, cdf_rate, target_attainment, out_dir)
+    summary = summary_dict(targets, slo, cdf_rate, target_attainment, meta)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    (out_dir / "summary.md").write_text(summary_markdown(targets, slo, cdf_rate, meta, target_attainment, plots),
+                                        encoding="utf-8")
+    return summary

@@ -1,0 +1,146 @@
+"""Scenario files: targets (pdserve SystemConfigs) deployed one after another on a local Ray Serve,
+each measured idle and then swept for goodput under the same workload and SLO.
+
+Relative SLOs (`ttft_factor`, `tpot_factor`) multiply the idle latency of the FIRST target, the
+baseline: every target is then judged against the same absolute bounds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pdserve.loadtest.client import new_client, served_model
+from pdserve.loadtest.evaluate import TargetResult, measure_idle, sweep_target
+from pdserve.loadtest.runner import LoadConfig
+from pdserve.loadtest.slo import SLOSpec
+from pdserve.loadtest.sweep import SweepConfig
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class TargetSpec(BaseModel):
+    model_config = _FROZEN
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    system: dict[str, Any] = Field(default_factory=dict)  # SystemConfig fields; `model` defaults to the scenario's
+
+
+class LoadSpec(BaseModel):
+    model_config = _FROZEN
+    num_requests: int = Field(100, ge=1)
+    max_duration_s: float = Field(300.0, gt=0)
+    arrival: str = "poisson"
+    burstiness: float = Field(1.0, gt=0)
+
+    def config(self, seed: int) -> LoadConfig:
+        return LoadConfig(self.num_requests, self.max_duration_s, self.arrival, self.burstiness, seed)
+
+
+class SweepSpec(BaseModel):
+    model_config = _FROZEN
+    rates: tuple[float, ...] = (0.5, 1.0, 2.0)
+    max_runs: int = Field(6, ge=1)
+    rel_tol: float = Field(0.1, gt=0)
+    target: float = Field(0.9, gt=0, le=1)
+
+    def config(self) -> SweepConfig:
+        return SweepConfig(tuple(self.rates), self.max_runs, self.rel_tol, self.target)
+
+
+class Scenario(BaseModel):
+    model_config = _FROZEN
+    name: str
+    description: str = ""
+    model: str | dict[str, Any] = "tiny"  # "tiny", a checkpoint path, or {random_llama: {...}}
+    seed: int = 0
+    ray: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 4})  # ray.init options when we start Ray
+    route_prefix: str = "/"
+    health_timeout_s: float = Field(180.0, gt=0)
+    workload: dict[str, Any] = Field(default_factory=lambda: {"kind": "synthetic", "prompt": 128, "output": 32})
+    load: LoadSpec = Field(default_factory=LoadSpec)
+    sweep: SweepSpec = Field(default_factory=SweepSpec)
+    slo: dict[str, float] = Field(default_factory=lambda: {"ttft_factor": 5.0, "tpot_factor": 2.0})
+    idle_requests: int = Field(3, ge=1)
+    cdf_rate: float | None = None  # a sweep grid rate; None: the middle one
+    targets: tuple[TargetSpec, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Scenario:
+        SLOSpec.from_dict(self.slo)
+        self.sweep.config()
+        if self.cdf_rate is not None and self.cdf_rate not in self.sweep.rates:
+            raise ValueError("cdf_rate must be one of sweep.rates (those are measured for every target)")
+        if len({t.name for t in self.targets}) != len(self.targets):
+            raise ValueError("target names must be unique")
+        if not self.route_prefix.startswith("/"):
+            raise ValueError("route_prefix must start with '/'")
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Scenario:
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            return cls.model_validate(yaml.safe_load(f) or {})
+
+    @property
+    def chosen_cdf_rate(self) -> float:
+        return self.cdf_rate if self.cdf_rate is not None else self.sweep.rates[len(self.sweep.rates) // 2]
+
+
+def _served_name(url: str) -> str:
+    import asyncio
+
+    async def ask() -> str:
+        async with new_client(1) as client:
+            return await served_model(client, url)
+
+    return asyncio.run(ask())
+
+
+def run_scenario(
+    scenario: Scenario, out_dir: Path, *, progress: bool | None = None, log: Callable[[str], None] = print,
+    port: int = 0,
+) -> dict[str, Any]:
+    """Runs every target in order and writes summary.json, summary.md and the plots into out_dir."""
+    from pdserve.loadtest.models import resolve_model
+    from pdserve.loadtest.report import write_report
+    from pdserve.loadtest.targets import deployed, local_serve
+    from pdserve.loadtest.workloads import TokenSource, workload
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = resolve_model(scenario.model)
+    tokens = TokenSource.for_model(model)
+    work = workload(scenario.workload)
+    load, sweep = scenario.load.config(scenario.seed), scenario.sweep.config()
+    slo_spec = SLOSpec.from_dict(scenario.slo)
+    slo = None
+    results: list[TargetResult] = []
+    started = time.monotonic()
+    with local_serve(scenario.ray, port) as local:
+        for target in scenario.targets:
+            system = {"model": model, **target.system}
+            log(f"[{target.name}] deploying {system.get('mode', 'disaggregated')} system")
+            with deployed(local, system, f"loadtest-{target.name}", scenario.route_prefix,
+                          scenario.health_timeout_s) as url:
+                name = _served_name(url)
+                idle = measure_idle(url, name, tokens, work, scenario.idle_requests)
+                log(f"[{target.name}] idle TTFT {idle.ttft_s * 1e3:.0f} ms, TPOT {idle.tpot_s * 1e3:.1f} ms")
+                if slo is None:
+                    slo = slo_spec.resolve(idle)
+                    log(f"SLO (from {target.name}): TTFT <= {slo.ttft_s * 1e3:.0f} ms, "
+                        f"TPOT <= {slo.tpot_s * 1e3:.1f} ms")
+                result = sweep_target(target.name, url, name, tokens, work, load, sweep, slo, out_dir,
+                                      idle=idle, progress=progress, log=log)
+                result.system = system
+                results.append(result)
+                log(f"[{target.name}] goodput {result.sweep.goodput:.3g} req/s"
+                    + (" (every rate passed: at least)" if result.sweep.capped else ""))
+    meta = {"scenario": scenario.name, "description": scenario.description, "model": str(model),
+            "workload": scenario.workload, "load": scenario.load.model_dump(), "sweep": scenario.sweep.model_dump(),
+            "slo_spec": scenario.slo, "slo_reference": scenario.targets[0].name,
+            "wall_time_s": time.monotonic() - started}
+    return write_report(out_dir, results, slo, scenario.chosen_cdf_rate, sweep.target, meta)

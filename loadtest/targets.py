@@ -1,0 +1,114 @@
+"""Where load goes: a URL checked to be loopback, or a pdserve system deployed on a local Ray Serve."""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+
+def is_loopback_host(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_url(url: str, allow_remote: bool = False) -> str:
+    """The URL without a trailing slash; ValueError for a non-loopback host unless allowed."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    if not allow_remote and not is_loopback_host(parts.hostname):
+        raise ValueError(f"refusing to load {parts.hostname!r}: only loopback targets unless --allow-remote")
+    return url.rstrip("/")
+
+
+def wait_healthy(base_url: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    with httpx.Client(timeout=10.0, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            try:
+                resp = client.get(f"{base_url}/health")
+                if resp.status_code == 200:
+                    return
+                last = f"HTTP {resp.status_code}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            time.sleep(0.5)
+    raise TimeoutError(f"{base_url}/health did not answer 200 within {timeout_s:.0f} s ({last})")
+
+
+@dataclass(frozen=True)
+class LocalServe:
+    """A Ray Serve HTTP proxy on this host. `owned`: started here, so shut down here as well."""
+
+    host: str
+    port: int
+    owned_ray: bool
+    owned_serve: bool
+
+    def url(self, route_prefix: str) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return check_url(f"http://{host}:{self.port}{route_prefix.rstrip('/')}")
+
+
+@contextmanager
+def local_serve(ray_options: dict[str, Any] | None = None, port: int = 0) -> Iterator[LocalServe]:
+    """Joins a Ray + Serve already running in this process (tests), else starts local ones.
+
+    An instance not started here is never shut down here.
+    """
+    import ray
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    owned_ray = not ray.is_initialized()
+    if owned_ray:
+        # address="local": a fresh instance of our own, never an unrelated cluster found on the host
+        ray.init(**{"address": "local", "include_dashboard": False, "configure_logging": False,
+                    "log_to_driver": False, **(ray_options or {})})
+    owned_serve = False
+    try:
+        client = _get_global_client(raise_if_no_controller_running=False)
+        if client is None:
+            from pdserve.redis_server import free_port
+
+            port = port or free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            owned_serve = True
+            client = _get_global_client()
+        http = client.http_config
+        host = http.host if http.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        yield LocalServe(host, http.port, owned_ray, owned_serve)
+    finally:
+        if owned_serve:
+            serve.shutdown()
+        if owned_ray:
+            ray.shutdown()
+
+
+@contextmanager
+def deployed(local: LocalServe, system: dict[str, Any], app_name: str, route_prefix: str = "/",
+             health_timeout_s: float = 180.0) -> Iterator[str]:
+    """Deploys a SystemConfig as one Serve application; yields its base URL; deletes it afterwards."""
+    from pdserve.services.app import SystemConfig, build_system
+    from ray import serve
+
+    config = SystemConfig.model_validate(system)
+    try:
+        serve.run(build_system(config), name=app_name, route_prefix=route_prefix)
+        url = local.url(route_prefix)
+        wait_healthy(url, health_timeout_s)
+        yield url
+    finally:
+        serve.delete(app_name)

@@ -1,0 +1,50 @@
+"""The smoke scenario through the real pipeline: Ray Serve apps, HTTP streaming, sweep, report."""
+
+from __future__ import annotations
+
+import json
+from importlib.resources import files
+
+import pytest
+
+pytest.importorskip("ray")
+
+from pdserve.loadtest.scenario import Scenario, run_scenario
+
+SMOKE = files("pdserve.loadtest") / "scenarios" / "smoke.yaml"
+
+
+def test_smoke_scenario_end_to_end(ray_serve, tmp_path):
+    import ray
+
+    scenario = Scenario.from_yaml(SMOKE)
+    summary = run_scenario(scenario, tmp_path, progress=False, log=lambda m: None)
+
+    # it joined the session's Ray and Serve and left them running
+    assert ray.is_initialized()
+    assert not [name for name in ray_serve.status().applications if name.startswith("loadtest-")]
+
+    for name in ("summary.json", "summary.md", "attainment_vs_rate.png", "latency_cdf.png", "throughput_vs_rate.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(summary))
+    assert [t["name"] for t in summary["targets"]] == [t.name for t in scenario.targets]
+    assert summary["slo"]["ttft_ms"] > 0 and summary["slo"]["tpot_ms"] > 0
+
+    for target in summary["targets"]:
+        assert target["idle"]["ttft_ms"] > 0
+        assert scenario.sweep.rates[0] in [p["rate"] for p in target["points"]]
+        assert len(target["points"]) <= scenario.sweep.max_runs
+        for point in target["points"]:
+            c = point["summary"]["counts"]
+            assert c["total"] == scenario.load.num_requests
+            assert c["completed"] + c["rejected"] + c["errors"] + c["cancelled"] == c["total"]
+            assert c["completed"] > 0
+            run = json.loads((tmp_path / "runs" / target["name"] / f"rate-{point['rate']:.4g}.json").read_text())
+            assert len(run["requests"]) == c["total"]
+            assert sum(r["status"] == "ok" for r in run["requests"]) == c["completed"]
+            done = [r for r in run["requests"] if r["status"] == "ok"]
+            assert all(r["output_tokens"] == r["expected_output_len"] for r in done)  # exact output lengths
+            assert 0.0 <= point["attainment"] <= 1.0
+
+    md = (tmp_path / "summary.md").read_text()
+    assert "## Verdict" in md and "![attainment_vs_rate](attainment_vs_rate.png)" in md
