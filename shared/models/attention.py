@@ -107,11 +107,13 @@ def prefill_attention(
         query_pos = torch.arange(chunk.query_len, device=q.device)[:, None] + num_cached
         mask = torch.arange(chunk.context_len, device=q.device)[None, :] <= query_pos
         causal = False
+    # [1, H, S, Dh]: with a batch dimension the CPU backend picks its flash kernel; 3-D inputs fall back
+    # to the math path, several times slower on long prompts
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(
