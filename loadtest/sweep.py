@@ -32,7 +32,7 @@ class SweepConfig:
 @dataclass
 class SweepResult:
     points: dict[float, float] = field(default_factory=dict)  # rate -> attainment, in measurement order
-    goodput: float = 0.0  # 0: even the lowest rate missed the target
+    goodput: float = 0.0  # 0: even the lowest rate tried (down to grid[0] / 2^k) missed the target
     bracket: tuple[float, float | None] = (0.0, None)  # (highest passing, lowest failing) rate
 
     @property
@@ -53,8 +53,8 @@ def find_goodput(measure: Callable[[float], float], config: SweepConfig) -> Swee
     first_fail = next((i for i, ok in enumerate(passed) if not ok), None)
     hi = config.rates[first_fail] if first_fail is not None else None
     lo = max((r for r, ok in zip(config.rates, passed) if ok and (hi is None or r < hi)), default=0.0)
-    while hi is not None and lo > 0 and len(result.points) < config.max_runs and (hi - lo) / lo > config.rel_tol:
-        mid = math.sqrt(lo * hi)
+    while hi is not None and len(result.points) < config.max_runs and (lo == 0 or (hi - lo) / lo > config.rel_tol):
+        mid = hi / 2 if lo == 0 else math.sqrt(lo * hi)  # below the grid: halve until a rate passes
         if run(mid):
             lo = mid
         else:

@@ -76,7 +76,15 @@ def test_every_rate_passing_is_capped_and_none_passing_is_zero():
     capped = find_goodput(step(100.0, []), SweepConfig(rates=(1.0, 2.0), max_runs=5))
     assert capped.goodput == 2.0 and capped.capped and capped.bracket == (2.0, None)
     none = find_goodput(step(0.1, calls := []), SweepConfig(rates=(1.0, 2.0), max_runs=5))
-    assert none.goodput == 0.0 and not none.capped and len(calls) == 2
+    assert none.goodput == 0.0 and not none.capped and calls == [1.0, 2.0, 0.5, 0.25, 0.125]
+
+
+def test_a_failing_grid_is_extended_downwards_by_halving():
+    calls: list[float] = []
+    result = find_goodput(step(0.3, calls), SweepConfig(rates=(1.0, 2.0), max_runs=6, rel_tol=0.2))
+    assert calls[:4] == [1.0, 2.0, 0.5, 0.25]  # halve below the grid until a rate passes, then bisect
+    lo, hi = result.bracket
+    assert lo <= 0.3 < hi and result.goodput == lo > 0
 
 
 def test_non_monotone_grid_bisects_below_the_first_failure():
