@@ -21,6 +21,29 @@ from typing import Any
 import numpy as np
 
 PATHS = ("disaggregated", "colocated")
+TRACED = "disaggregated_traced"
+
+
+def _otlp_sink():
+    """An OTLP/gRPC trace endpoint that counts export calls and drops them (grpcio only: the payload
+    is never parsed; an empty ExportTraceServiceResponse is zero bytes)."""
+    from concurrent import futures
+
+    import grpc
+
+    calls = {"exports": 0, "bytes": 0}
+
+    def export(request: bytes, context) -> bytes:
+        calls["exports"] += 1
+        calls["bytes"] += len(request)
+        return b""
+
+    handler = grpc.method_handlers_generic_handler("opentelemetry.proto.collector.trace.v1.TraceService", {
+        "Export": grpc.unary_unary_rpc_method_handler(export, lambda b: b, lambda b: b)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port, calls
 
 
 def _log(message: str) -> None:
@@ -112,7 +135,9 @@ def _direct(prompts, concurrencies, num_requests, max_tokens) -> dict[str, Any]:
     return asyncio.run(run())
 
 
-def _routed(prompts, concurrencies, num_requests, max_tokens, env: dict[str, str]) -> dict[str, dict[str, Any]]:
+def _routed(
+    prompts, concurrencies, num_requests, max_tokens, env: dict[str, str], tracing_env: dict[str, str] | None
+) -> dict[str, dict[str, Any]]:
     import httpx
     import ray
     from ray import serve
@@ -127,19 +152,22 @@ def _routed(prompts, concurrencies, num_requests, max_tokens, env: dict[str, str
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         results = {}
-        for mode in PATHS:
-            config = SystemConfig(mode=mode, transport="ucx", prefill=worker, decode=worker,
+        paths = [(mode, mode, {}) for mode in PATHS]
+        if tracing_env is not None:  # the same disaggregated app, tracing every request to an OTLP sink
+            paths.insert(1, (TRACED, "disaggregated", tracing_env))
+        for name, mode, traced in paths:
+            config = SystemConfig(mode=mode, transport="ucx", prefill=worker, decode=worker, tracing_env=traced,
                                   router={"disaggregate_min_prompt_tokens": 0, "num_cpus": 0.5})
-            serve.run(build_system(config), name=mode, route_prefix=f"/{mode}")
-            _log(f"{mode}: deployed")
+            serve.run(build_system(config), name=name, route_prefix=f"/{name}")
+            _log(f"{name}: deployed")
 
-            async def run(mode=mode) -> dict[str, Any]:
+            async def run(name=name) -> dict[str, Any]:
                 async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
-                    one = _http_one(client, f"http://127.0.0.1:{port}/{mode}", max_tokens)
+                    one = _http_one(client, f"http://127.0.0.1:{port}/{name}", max_tokens)
                     return await _levels(one, prompts, concurrencies, num_requests)
 
-            results[mode] = asyncio.run(run())
-            serve.delete(mode)
+            results[name] = asyncio.run(run())
+            serve.delete(name)
         return results
     finally:
         serve.shutdown()
@@ -148,28 +176,51 @@ def _routed(prompts, concurrencies, num_requests, max_tokens, env: dict[str, str
 
 def run(
     num_requests: int = 64, concurrencies: tuple[int, ...] = (1, 16), prompt_tokens: int = 16,
-    max_tokens: int = 16, seed: int = 0, env: dict[str, str] | None = None,
+    max_tokens: int = 16, seed: int = 0, env: dict[str, str] | None = None, tracing: bool = False,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(0, 256) for _ in range(prompt_tokens)] for _ in range(16)]
     _log("direct engine")
     direct = _direct(prompts, list(concurrencies), num_requests, max_tokens)
-    routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {})
+    sink = tracing_env = None
+    if tracing:
+        sink = _otlp_sink()
+        tracing_env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                       "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink[1]}",
+                       "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.0"}
+    try:
+        routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {}, tracing_env)
+    finally:
+        if sink is not None:
+            sink[0].stop(grace=None)
     result: dict[str, Any] = {
         "bench": "router", "model": "tiny", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "prompt_tokens": prompt_tokens, "output_tokens": max_tokens, "env": env or {},
     }
+    if sink is not None:
+        result["otlp_exports_received"] = sink[2]["exports"]
+        result["otlp_bytes_received"] = sink[2]["bytes"]
     for c in concurrencies:
         key = str(c)
         block: dict[str, Any] = {"direct": direct[key], **{mode: routed[mode][key] for mode in PATHS}}
         for mode, prefix in (("disaggregated", "added"), ("colocated", "colocated_added")):
             for metric in ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p99"):
                 block[f"{prefix}_{metric}"] = round(routed[mode][key][metric] - direct[key][metric], 3)
+        if TRACED in routed:
+            block[TRACED] = traced = routed[TRACED][key]
+            base = routed["disaggregated"][key]
+            for metric in ("ttft_ms_p50", "e2e_ms_p50"):
+                block[f"tracing_added_{metric}"] = round(traced[metric] - base[metric], 3)
+                block[f"tracing_overhead_{metric.removesuffix('_ms_p50')}_p50_pct"] = round(
+                    100 * (traced[metric] / base[metric] - 1), 2)
         result[f"concurrency_{c}"] = block
     first = result[f"concurrency_{concurrencies[0]}"]
     result["added_ttft_ms_p50"] = first["added_ttft_ms_p50"]
     result["target_added_ttft_ms_p50"] = 5.0
     result["meets_target"] = first["added_ttft_ms_p50"] <= 5.0
+    if tracing:
+        result["tracing_overhead_ttft_p50_pct"] = first["tracing_overhead_ttft_p50_pct"]
+        result["target_tracing_overhead_ttft_p50_pct"] = 3.0
     return result
 
 
@@ -182,10 +233,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment for every Serve replica, e.g. OTEL_TRACES_EXPORTER=otlp (repeatable)")
+    p.add_argument("--tracing", action="store_true",
+                   help="also run the disaggregated app tracing every request (sampling 1.0) to a local OTLP sink")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
     result = run(args.requests, tuple(int(c) for c in args.concurrency.split(",")), args.prompt_tokens,
-                 args.output_tokens, args.seed, env)
+                 args.output_tokens, args.seed, env, args.tracing)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
