@@ -12,18 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
-import xxhash
-
 from pdserve.engine.sequence import Sequence
-
-
-def block_hash(parent: int | None, token_ids: list[int]) -> int:
-    h = xxhash.xxh3_64(seed=0)
-    h.update((parent if parent is not None else 0).to_bytes(8, "little"))
-    h.update(b"\x01" if parent is not None else b"\x00")
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest()
+from pdserve.prefix_hash import block_hash  # noqa: F401 - re-exported: the engine's prefix-cache key
 
 
 @dataclass

@@ -86,6 +86,7 @@ class LLMEngine:
             request.request_id, prompt, request.params, self.block_manager.block_size,
             eos_token_ids=self.tokenizer.eos_token_ids, prefill_only=request.prefill_only,
             priority=request.priority, arrival_time=request.arrival_time,
+            max_prefill_chunk=request.max_prefill_chunk,
         )
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt, stop=request.params.stop,

@@ -30,11 +30,15 @@ class GenerationRequest:
     adopt_lease_id: str | None = None
     first_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # Cap on this prompt's tokens per step (the router's chunk budget); None: the engine's budget.
+    max_prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
+            raise ValueError("max_prefill_chunk must be at least 1")
         if (self.adopt_lease_id is None) != (self.first_token_id is None):
             raise ValueError("adopt_lease_id and first_token_id go together")
         if self.prefill_only and self.adopt_lease_id is not None:

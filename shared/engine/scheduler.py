@@ -125,7 +125,9 @@ class Scheduler:
 
     def _chunk_size(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         remaining = seq.num_uncomputed_tokens
-        if self.config.enable_chunked_prefill:
+        if seq.max_prefill_chunk is not None:
+            budget = min(budget, seq.max_prefill_chunk)
+        if self.config.enable_chunked_prefill or seq.max_prefill_chunk is not None:
             return min(remaining, budget)
         if remaining <= budget or (remaining > self.config.max_num_batched_tokens and batch.is_empty):
             return remaining  # an oversized prompt runs alone rather than never

@@ -27,6 +27,7 @@ class Sequence:
     # prefill_only: stop after the first token and keep the KV blocks under a lease.
     prefill_only: bool = False
     priority: int = 0
+    max_prefill_chunk: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -342,3 +342,17 @@ def test_first_delta_reports_queue_time_and_prefill_chunks(tiny_dir: Path) -> No
     assert second.queue_time_s is None  # reported once, on the first token
     assert out["b"][0].num_prefill_chunks == 1
     assert out["b"][0].queue_time_s >= first.queue_time_s  # admitted after "a" had the budget
+
+
+def test_per_request_prefill_chunk_cap(tiny_dir: Path, llm: LLM) -> None:
+    engine = LLMEngine(make_config(tiny_dir, max_num_batched_tokens=64, max_num_seqs=4))
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+    capped = run(engine, GenerationRequest("a", tuple(range(40)), params, max_prefill_chunk=16))["a"]
+    assert capped[0].num_prefill_chunks == 3  # 16 + 16 + 8 under a 64-token budget
+    whole = run(engine, GenerationRequest("b", tuple(range(40, 80)), params))["b"]
+    assert whole[0].num_prefill_chunks == 1
+    # the cap changes scheduling only, never the tokens
+    expected = llm.generate([list(range(40))], params)[0].token_ids
+    assert [d.token_ids[0] for d in capped] == expected
+    with pytest.raises(ValueError, match="max_prefill_chunk"):
+        GenerationRequest("c", (1,), params, max_prefill_chunk=0)
