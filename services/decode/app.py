@@ -103,6 +103,10 @@ class DecodeDeployment:
     def metrics_snapshot(self) -> dict[str, Any]:
         return self.telemetry.worker_snapshot(self.engine.stats())
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Polled by the router (and Serve) for placement: EngineStats plus this replica's id."""
+        return {**dataclasses.asdict(self.engine.stats()), "replica": self.telemetry.replica}
+
 
 def build_app(config: WorkerConfig | dict[str, Any]) -> Application:
     cfg = config if isinstance(config, WorkerConfig) else WorkerConfig.model_validate(config)
