@@ -92,8 +92,9 @@ class AsyncLLMEngine:
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            # Cleared before looking for work: a wake-up from now on (new request, adoption) is kept.
+            self._wakeup.clear()
             if not self.engine.has_unfinished() and not self.engine.leases.leases:
-                self._wakeup.clear()
                 await self._wakeup.wait()
             async with self._lock:
                 try:
@@ -113,7 +114,13 @@ class AsyncLLMEngine:
                     if delta.finished:
                         del self._queues[delta.request_id]
             if not outputs:
-                await asyncio.sleep(0.001 if self.engine.has_unfinished() else 0.05)
+                # Idle with leases held (they must still expire) or blocked on KV: nap, but a new request
+                # ends the nap at once instead of waiting it out.
+                timeout = 0.001 if self.engine.has_unfinished() else 0.05
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), timeout)
+                except TimeoutError:
+                    pass
 
     async def close(self) -> None:
         """Stops the loop, waits out a step in flight, and ends every open stream with an abort."""
