@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 
@@ -48,6 +49,49 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdserve.bench.profile import run
+    from pdserve.latency_model import LatencyProfile, transfer_samples_from_bench
+
+    transfers = None
+    if args.transfer_bench:
+        transfers = transfer_samples_from_bench(json.loads(Path(args.transfer_bench).read_text()))
+    start = time.perf_counter()
+    model = run(args.model, quick=args.quick, device=args.device, dtype=args.dtype,
+                transfer_samples=transfers)
+    seconds = time.perf_counter() - start
+    # a role profiled into an existing file joins the roles already there
+    existing = LatencyProfile.load(args.out).models if args.out and Path(args.out).exists() else {}
+    profile = LatencyProfile({**existing, args.role: model}, command=args.command_line,
+                             meta={"model": args.model, "quick": args.quick})
+    if args.out:
+        profile.save(args.out)
+    print(json.dumps({"out": args.out, "role": args.role, "seconds": round(seconds, 2),
+                      "fit_errors": model.fit_errors(), "model": profile.to_dict()["models"][args.role]},
+                     indent=2))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pdserve.plan import PlanInput, latency_model_for, load_model_config, parse_bytes, plan, render
+
+    config = load_model_config(args.model)
+    inp = PlanInput(
+        memory_bytes=parse_bytes(args.memory), ttft_slo_s=args.ttft_ms / 1e3, tpot_slo_s=args.tpot_ms / 1e3,
+        rate_rps=args.rate, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+        dtype=args.dtype,
+        memory_utilization=args.memory_utilization, block_size=args.block_size,
+    )
+    hardware = (config, args.dtype, args.flops, args.bandwidth)
+    prefill, source = latency_model_for(args.profile, "prefill", *hardware)
+    decode, _ = latency_model_for(args.profile, "decode", *hardware)
+    result = plan(config, inp, prefill, decode, source)
+    print(json.dumps(result.to_dict()) if args.json else render(result, inp))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,7 +112,35 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     bench.add_argument("--seed", type=int, default=0)
     bench.set_defaults(func=_bench)
+    prof = sub.add_parser("profile", help="fit a latency model for plan and the router")
+    prof.add_argument("--model", default="tiny")
+    prof.add_argument("--out", default=None, help="profile file (JSON) to write or extend")
+    prof.add_argument("--role", default="default", help="the model's worker role: default | prefill | decode")
+    prof.add_argument("--quick", action="store_true", help="a small grid (about 20 s on tiny)")
+    prof.add_argument("--device", default=None)
+    prof.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    prof.add_argument("--transfer-bench", default=None,
+                      help="JSON from `pdserve bench transfer --json`: fits a transfer model per transport")
+    prof.set_defaults(func=_profile)
+    pl = sub.add_parser("plan", help="capacity plan: KV sizes, per-replica throughput, prefill:decode ratio")
+    pl.add_argument("--model", default="tiny", help="'tiny', a Hugging Face checkpoint dir or a config.json")
+    pl.add_argument("--memory", required=True, help="device memory per replica, e.g. 24GiB")
+    pl.add_argument("--memory-utilization", type=float, default=0.9)
+    pl.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--ttft-ms", type=float, required=True)
+    pl.add_argument("--tpot-ms", type=float, required=True)
+    pl.add_argument("--profile", default=None, help="profile file from `pdserve profile`")
+    pl.add_argument("--flops", type=float, default=None, help="roofline without a profile: FLOP/s")
+    pl.add_argument("--bandwidth", type=float, default=None, help="roofline without a profile: bytes/s")
+    pl.add_argument("--rate", type=float, default=1.0, help="target requests/s")
+    pl.add_argument("--prompt-tokens", type=int, default=256, help="mean prompt length")
+    pl.add_argument("--output-tokens", type=int, default=128, help="mean output length")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_plan)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    args.command_line = shlex.join(["pdserve", *argv])
     return args.func(args)
 
 

@@ -1,0 +1,61 @@
+"""What the router placed on each replica that the replica's last stats may not show yet.
+
+A placement counts as pending on a replica until stats taken at least `grace_s` after it arrive (the
+request has reached the engine by then), or until `max_age_s` passes with no such stats.
+Torch-free and Ray-free: the router owns one and calls it from its event loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.services.router.placement import Placement, PlacementRequest, ReplicaSnapshot
+
+
+@dataclass(frozen=True)
+class _Entry:
+    placed_at: float
+    prefill_tokens: int
+    blocks: int
+
+
+class PendingPlacements:
+    def __init__(self, grace_s: float = 0.05, max_age_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.grace_s = grace_s
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._entries: dict[str, list[_Entry]] = defaultdict(list)
+
+    def record(self, replica_id: str, prefill_tokens: int, blocks: int) -> None:
+        self._entries[replica_id].append(_Entry(self._clock(), prefill_tokens, blocks))
+
+    def record_placement(self, placement: Placement, request: PlacementRequest, block_size: int) -> None:
+        """The prompt's prefill and blocks on the prefill replica (or the decode replica when local), and
+        the whole sequence's blocks on the decode replica."""
+        prompt = request.num_prompt_tokens
+        if placement.disaggregate and placement.prefill_replica is not None:
+            self.record(placement.prefill_replica, prompt, -(-prompt // block_size))
+        if placement.decode_replica is not None:
+            local_prefill = 0 if placement.disaggregate else prompt
+            blocks = -(-(prompt + request.max_tokens) // block_size)
+            self.record(placement.decode_replica, local_prefill, blocks)
+
+    def observe(self, replica_id: str, stats_taken_at: float) -> None:
+        """Stats taken at `stats_taken_at` (this object's clock) show every placement up to grace_s before."""
+        horizon = stats_taken_at - self.grace_s
+        self._entries[replica_id] = [e for e in self._entries[replica_id] if e.placed_at > horizon]
+
+    def apply(self, snapshot: ReplicaSnapshot) -> ReplicaSnapshot:
+        oldest = self._clock() - self.max_age_s
+        entries = self._entries[snapshot.replica_id] = [
+            e for e in self._entries[snapshot.replica_id] if e.placed_at > oldest
+        ]
+        return dataclasses.replace(
+            snapshot, num_pending=len(entries), pending_prefill_tokens=sum(e.prefill_tokens for e in entries),
+            pending_blocks=sum(e.blocks for e in entries),
+        )

@@ -1,0 +1,241 @@
+"""Placement: which prefill and decode replica serve a request, as a pure function of stats snapshots.
+
+Policies sit behind `PlacementPolicy` and are built by name from `POLICIES` (`create_policy`):
+`round_robin` and `least_loaded` here, `slo_aware` (the default) in `slo_aware.py`. No Ray, no I/O,
+no torch: the router builds the snapshots and owns the policy object (round-robin keeps its counter).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pdserve.latency_model import LatencyProfile
+from pdserve.services.router.policy import decide
+
+
+@dataclass(frozen=True)
+class ReplicaSnapshot:
+    """One replica's last reported stats, plus what the router placed there since (`*pending*`)."""
+
+    replica_id: str
+    role: str  # "prefill" | "decode"
+    age_s: float  # time since the stats were taken
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    recent_step_time_s: float | None = None  # mean of the recent steps
+    recent_step_tokens: float | None = None  # mean tokens per recent step (decodes + prefill chunks)
+    num_context_tokens: int | None = None  # None: estimated from the used blocks
+    prefix_hashes: frozenset[int] | None = None  # block hashes cached on the replica; None: unknown
+    num_pending: int = 0
+    pending_prefill_tokens: int = 0
+    pending_blocks: int = 0
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+    @property
+    def context_tokens(self) -> int:
+        known = self.num_context_tokens
+        if known is None:
+            known = self.num_used_blocks * self.block_size
+        return known + self.pending_blocks * self.block_size
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting + self.num_pending
+
+    @classmethod
+    def from_stats(
+        cls, replica_id: str, role: str, age_s: float, stats: Any, **extra: Any
+    ) -> ReplicaSnapshot:
+        """From an `EngineStats` (duck-typed, so this module stays torch-free)."""
+        times, tokens = tuple(stats.recent_step_times_s), tuple(stats.recent_step_tokens)
+        return cls(
+            replica_id=replica_id, role=role, age_s=age_s, num_running=stats.num_running,
+            num_waiting=stats.num_waiting, queued_prefill_tokens=stats.queued_prefill_tokens,
+            num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
+            block_size=stats.block_size,
+            recent_step_time_s=sum(times) / len(times) if times else None,
+            recent_step_tokens=sum(tokens) / len(tokens) if tokens else None,
+            **extra,
+        )
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    num_prompt_tokens: int
+    max_tokens: int
+    ttft_slo_s: float
+    tpot_slo_s: float
+    priority: str = "interactive"
+    block_hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full blocks, in order
+    kvstore_hit_tokens: int = 0  # prompt tokens whose KV the kvstore holds
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens <= 0 or self.max_tokens <= 0:
+            raise ValueError("a request has at least one prompt token and one output token")
+        if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
+            raise ValueError("SLOs must be positive")
+
+
+class Candidate(NamedTuple):
+    replica_id: str
+    role: str
+    metric: str  # "ttft" | "tpot"
+    predicted_s: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    disaggregate: bool
+    prefill_replica: str | None  # None: the decode replica prefills
+    decode_replica: str | None
+    reason: str
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+    candidates: tuple[Candidate, ...] = ()
+    # Per-step cap on this request's prefill chunk (tokens); None: the engine's token budget.
+    prefill_chunk_tokens: int | None = None
+    priority: int = 0  # engine priority: lower runs first
+    meets_slo: bool = True
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Admission control: answer 429 with Retry-After."""
+
+    reason: str  # "no_replicas" | "kv_full" | "tpot" | "ttft"
+    retry_after_s: float
+
+
+class PlacementConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    policy: str = "slo_aware"
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    # round_robin / least_loaded only: prompts shorter than this prefill on the decode replica
+    disaggregate_min_prompt_tokens: int = Field(32, ge=0)
+    # stats older than this are unknown: skipped while a fresh replica exists, else used with the penalty
+    max_stats_age_s: float = Field(5.0, gt=0)
+    stale_penalty: float = Field(2.0, ge=1)
+    # when no placement meets the SLOs: "reject" answers 429 once the least-bad prediction exceeds
+    # reject_factor x the SLO; "queue" always places (flagged meets_slo=False)
+    admission: Literal["reject", "queue"] = "reject"
+    reject_factor: float = Field(1.0, ge=1)
+    min_retry_after_s: float = Field(1.0, ge=0)
+    transport: str | None = None  # KV handoff transport; None: transfer time not modelled
+    kvstore_transport: str | None = None  # how kvstore prefix hits are pulled; None: free
+    max_chunk_tokens: int = Field(2048, ge=1)  # the engine's per-step token budget
+    # a prefill chunk step takes at most this share of the request's TTFT SLO, so requests behind a
+    # long prompt wait at most about one chunk
+    chunk_ttft_fraction: float = Field(0.25, gt=0, le=1)
+    # scale predictions by measured/predicted recent step time, clamped to these bounds
+    calibrate_step_times: bool = True
+    slowdown_bounds: tuple[float, float] = (0.5, 8.0)
+    priorities: Mapping[str, int] = Field(default_factory=lambda: {"interactive": 0, "batch": 1})
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise ValueError(f"unknown placement policy {name!r}; known: {sorted(POLICIES)}")
+        return name
+
+
+class PlacementPolicy(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: PlacementConfig, profile: LatencyProfile | None = None) -> None:
+        self.config = config
+        self.profile = profile
+
+    @abstractmethod
+    def place(
+        self, request: PlacementRequest, prefill: Sequence[ReplicaSnapshot], decode: Sequence[ReplicaSnapshot]
+    ) -> Placement | Rejection: ...
+
+    def priority_of(self, request: PlacementRequest) -> int:
+        try:
+            return self.config.priorities[request.priority]
+        except KeyError:
+            known = sorted(self.config.priorities)
+            raise ValueError(f"unknown priority class {request.priority!r}; known: {known}") from None
+
+    def _simple(
+        self, request: PlacementRequest, prefill: ReplicaSnapshot | None, decode: ReplicaSnapshot, why: str
+    ) -> Placement:
+        """The SLO-blind policies keep the router's old rule for when to disaggregate."""
+        cfg = self.config
+        has_prefill = prefill is not None
+        split = decide(cfg.mode, request.num_prompt_tokens, cfg.disaggregate_min_prompt_tokens, has_prefill)
+        return Placement(
+            disaggregate=split.disaggregate,
+            prefill_replica=prefill.replica_id if split.disaggregate else None,
+            decode_replica=decode.replica_id, reason=f"{why}:{split.reason}",
+            priority=self.priority_of(request),
+        )
+
+
+class RoundRobin(PlacementPolicy):
+    name = "round_robin"
+
+    def __init__(self, config: PlacementConfig, profile: LatencyProfile | None = None) -> None:
+        super().__init__(config, profile)
+        self.counter = 0  # requests placed so far: the next index into each pool
+
+    def place(self, request, prefill, decode):
+        if not decode:
+            return Rejection("no_replicas", self.config.min_retry_after_s)
+        i = self.counter
+        self.counter += 1
+        ordered_p, ordered_d = _by_id(prefill), _by_id(decode)
+        return self._simple(request, ordered_p[i % len(ordered_p)] if ordered_p else None,
+                            ordered_d[i % len(ordered_d)], "round_robin")
+
+
+class LeastLoaded(PlacementPolicy):
+    name = "least_loaded"
+
+    def place(self, request, prefill, decode):
+        if not decode:
+            return Rejection("no_replicas", self.config.min_retry_after_s)
+
+        def key(r: ReplicaSnapshot) -> tuple:
+            return r.load, -(r.num_free_blocks - r.pending_blocks), r.replica_id
+
+        best_prefill = min(prefill, key=key) if prefill else None
+        return self._simple(request, best_prefill, min(decode, key=key), "least_loaded")
+
+
+def _by_id(replicas: Sequence[ReplicaSnapshot]) -> list[ReplicaSnapshot]:
+    return sorted(replicas, key=lambda r: r.replica_id)
+
+
+POLICIES: dict[str, str] = {
+    "round_robin": "pdserve.services.router.placement:RoundRobin",
+    "least_loaded": "pdserve.services.router.placement:LeastLoaded",
+    "slo_aware": "pdserve.services.router.slo_aware:SloAware",
+}
+
+
+def policy_class(name: str) -> type[PlacementPolicy]:
+    try:
+        module, _, attr = POLICIES[name].partition(":")
+    except KeyError:
+        raise ValueError(f"unknown placement policy {name!r}; known: {sorted(POLICIES)}") from None
+    return getattr(importlib.import_module(module), attr)
+
+
+def create_policy(config: PlacementConfig, profile: LatencyProfile | None = None) -> PlacementPolicy:
+    return policy_class(config.policy)(config, profile)

@@ -1,0 +1,201 @@
+"""`pdserve plan`: capacity planning from a model config, a device memory size, SLOs and a latency model.
+
+Per replica: KV bytes per token and per request, the KV pool left after the weights, the largest
+batch and context it holds, the prefill rate that keeps mean TTFT within the SLO and the decode
+throughput at the largest batch whose step time meets the TPOT SLO; then the prefill:decode replica
+split for a target request rate and length mix.
+
+Prefill is modelled as an M/D/1 queue (Poisson arrivals, one prompt at a time, service D =
+prefill_time(prompt)): mean TTFT = D + ρD / (2(1 - ρ)) <= SLO gives ρ <= 2(SLO - D) / (2·SLO - D)
+and a rate of ρ / D per replica. Decode is bounded by the TPOT SLO and by KV memory, not by queueing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel
+from pdserve.models.config import ModelConfig, model_config_from_hf
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '512 MB', '1e9' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a byte size: {text!r} (e.g. 24GiB, 512MB, 1e9)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def load_model_config(source: str) -> ModelConfig:
+    """'tiny', a Hugging Face checkpoint directory, or a config.json-style file."""
+    if source == "tiny":
+        from pdserve.models.tiny import TINY_CONFIG
+
+        return model_config_from_hf(TINY_CONFIG)
+    path = Path(source).expanduser()
+    return model_config_from_hf(json.loads((path / "config.json" if path.is_dir() else path).read_text()))
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    """K and V of every layer: 2 · layers · kv_heads · head_dim · dtype bytes."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes
+
+
+def num_parameters(config: ModelConfig) -> int:
+    h, q, kv = config.hidden_size, config.q_size, config.kv_size
+    biases = (q + 2 * kv if config.qkv_bias else 0) + (h if config.o_bias else 0)
+    attention = h * (q + 2 * kv) + q * h + biases
+    mlp = 3 * h * config.intermediate_size + ((2 * config.intermediate_size + h) if config.mlp_bias else 0)
+    layer = attention + mlp + 2 * h  # two RMSNorm weights
+    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    return config.num_layers * layer + embeddings + h
+
+
+def roofline_model(config: ModelConfig, dtype_bytes: int, flops: float, bandwidth: float) -> LatencyModel:
+    """Latency model with no measurements: compute time from `flops` (FLOP/s), memory time from
+    `bandwidth` (bytes/s), added rather than overlapped (a pessimistic roofline).
+
+    prefill: one pass over the streamed weights, 2·P FLOPs per token (P: parameters outside the
+    embedding table), causal attention 4·layers·q_size·(n²/2 + n·cached). decode step: one weight
+    pass, 2·P FLOPs per sequence, and every context token's K/V read once.
+    """
+    streamed = num_parameters(config) - config.vocab_size * config.hidden_size
+    weight_pass = streamed * dtype_bytes / bandwidth
+    per_token = 2 * streamed / flops
+    attention = 4 * config.num_layers * config.q_size / flops
+    return LatencyModel(
+        prefill=PrefillModel(a=weight_pass, b=per_token, c=attention / 2, d=attention),
+        decode=DecodeModel(a=weight_pass, b=per_token, c=kv_bytes_per_token(config, dtype_bytes) / bandwidth),
+        kv_bytes_per_token=kv_bytes_per_token(config, dtype_bytes),
+    )
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    memory_bytes: int
+    ttft_slo_s: float
+    tpot_slo_s: float
+    rate_rps: float
+    prompt_tokens: int  # mean
+    output_tokens: int  # mean
+    dtype: str = "float32"
+    memory_utilization: float = 0.9  # share of the device memory for weights + KV
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    latency_source: str  # "profile" | "roofline"
+    num_parameters: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_request: int
+    kv_pool_bytes: int
+    max_kv_tokens: int
+    max_context_tokens: int
+    max_batch_memory: int  # requests of the mean length the pool holds at once
+    prefill_s: float  # one mean prompt, alone
+    prefill_tokens_s: float
+    prefill_rps: float  # per replica, mean TTFT within the SLO (M/D/1)
+    decode_batch: int  # largest batch meeting TPOT and memory
+    decode_step_s: float
+    decode_tokens_s: float
+    decode_rps: float
+    prefill_replicas: float  # for the target rate, fractional
+    decode_replicas: float
+    ratio: str  # suggested integer prefill:decode
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(
+    config: ModelConfig, inp: PlanInput, prefill: LatencyModel, decode: LatencyModel, latency_source: str
+) -> Plan:
+    dtype_bytes = DTYPE_BYTES[inp.dtype]
+    params = num_parameters(config)
+    weights = params * dtype_bytes
+    per_token = kv_bytes_per_token(config, dtype_bytes)
+    length = inp.prompt_tokens + inp.output_tokens
+    pool = max(0, int(inp.memory_bytes * inp.memory_utilization) - weights)
+    block_bytes = per_token * inp.block_size
+    max_tokens = pool // block_bytes * inp.block_size
+    per_request_tokens = math.ceil(length / inp.block_size) * inp.block_size
+    max_batch_memory = max_tokens // per_request_tokens
+    notes = []
+    if max_batch_memory == 0:
+        notes.append("the KV pool cannot hold one request of the mean length")
+
+    prefill_s = prefill.prefill_time_s(inp.prompt_tokens)
+    if prefill_s < inp.ttft_slo_s:
+        rho = 2 * (inp.ttft_slo_s - prefill_s) / (2 * inp.ttft_slo_s - prefill_s)
+        prefill_rps = rho / prefill_s
+    else:
+        prefill_rps = 0.0
+        notes.append("one mean prompt alone misses the TTFT SLO")
+
+    context = inp.prompt_tokens + inp.output_tokens // 2  # a sequence's mean context over its decode
+    batch = 0
+    for b in range(1, max_batch_memory + 1):
+        if decode.decode_step_s(b, b * context) > inp.tpot_slo_s:
+            break
+        batch = b
+    if batch == 0 and max_batch_memory:
+        notes.append("a batch of one misses the TPOT SLO")
+    step = decode.decode_step_s(batch, batch * context) if batch else 0.0
+    decode_tokens_s = batch / step if batch else 0.0
+    decode_rps = decode_tokens_s / inp.output_tokens
+
+    need_p = inp.rate_rps / prefill_rps if prefill_rps else math.inf
+    need_d = inp.rate_rps / decode_rps if decode_rps else math.inf
+    ratio = f"{math.ceil(need_p)}:{math.ceil(need_d)}" if math.isfinite(need_p + need_d) else "infeasible"
+    return Plan(
+        latency_source=latency_source, num_parameters=params, weight_bytes=weights,
+        kv_bytes_per_token=per_token,
+        kv_bytes_per_request=per_token * length, kv_pool_bytes=pool, max_kv_tokens=max_tokens,
+        max_context_tokens=min(max_tokens, config.max_position_embeddings), max_batch_memory=max_batch_memory,
+        prefill_s=prefill_s, prefill_tokens_s=inp.prompt_tokens / prefill_s if prefill_s else 0.0,
+        prefill_rps=prefill_rps, decode_batch=batch, decode_step_s=step, decode_tokens_s=decode_tokens_s,
+        decode_rps=decode_rps, prefill_replicas=need_p, decode_replicas=need_d, ratio=ratio,
+        notes=tuple(notes),
+    )
+
+
+def latency_model_for(args_profile: str | None, role: str, config: ModelConfig, dtype: str,
+                      flops: float | None, bandwidth: float | None) -> tuple[LatencyModel, str]:
+    if args_profile:
+        return LatencyProfile.load(args_profile).for_role(role), "profile"
+    if not flops or not bandwidth:
+        raise ValueError("without --profile, pass --flops and --bandwidth for a roofline estimate")
+    return roofline_model(config, DTYPE_BYTES[dtype], flops, bandwidth), "roofline"
+
+
+def render(p: Plan, inp: PlanInput) -> str:
+    gib = 2**30
+    lines = [
+        f"latency model: {p.latency_source}",
+        f"parameters {p.num_parameters / 1e6:.1f}M, weights {p.weight_bytes / gib:.2f} GiB ({inp.dtype})",
+        f"KV per token {p.kv_bytes_per_token} B, per request "
+        f"({inp.prompt_tokens}+{inp.output_tokens} tokens) "
+        f"{p.kv_bytes_per_request / 2**20:.2f} MiB",
+        f"KV pool {p.kv_pool_bytes / gib:.2f} GiB: {p.max_kv_tokens} tokens, "
+        f"max context {p.max_context_tokens}, "
+        f"max batch {p.max_batch_memory} at the mean length",
+        f"prefill per replica: {p.prefill_s * 1e3:.1f} ms per mean prompt, {p.prefill_tokens_s:.0f} tok/s, "
+        f"{p.prefill_rps:.2f} req/s within TTFT {inp.ttft_slo_s * 1e3:.0f} ms",
+        f"decode per replica: batch {p.decode_batch} at {p.decode_step_s * 1e3:.1f} ms/step "
+        f"(TPOT {inp.tpot_slo_s * 1e3:.0f} ms), {p.decode_tokens_s:.0f} tok/s, {p.decode_rps:.2f} req/s",
+        f"for {inp.rate_rps:g} req/s: {p.prefill_replicas:.2f} prefill + "
+        f"{p.decode_replicas:.2f} decode replicas "
+        f"-> prefill:decode = {p.ratio}",
+    ]
+    return "\n".join(lines + [f"note: {n}" for n in p.notes])
