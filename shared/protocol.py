@@ -21,6 +21,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class SLOOverride(BaseModel):
+    """pdserve extension: this request's own SLOs (over the router's defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ttft_ms: float | None = Field(None, gt=0, le=3_600_000)
+    tpot_ms: float | None = Field(None, gt=0, le=60_000)
+
+
 class _SamplingFields(BaseModel):
     # extra="forbid" turns unknown fields into 400s instead of silently ignoring them
     model_config = ConfigDict(extra="forbid")
@@ -45,6 +53,10 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = Field(None, max_length=64)
+    # pdserve extensions: per-request SLOs and priority class (also as X-SLO-TTFT-Ms, X-SLO-TPOT-Ms,
+    # X-Priority headers)
+    slo: SLOOverride | None = None
+    priority: Literal["interactive", "batch"] | None = None
 
     @field_validator("stop")
     @classmethod

@@ -58,11 +58,17 @@ class WorkerConfig(BaseModel):
             options["label_selector"] = dict(self.label_selector)
         return options
 
-    def deployment_options(self) -> dict[str, Any]:
-        return {
+    def deployment_options(self, request_router_class: str | None = None) -> dict[str, Any]:
+        """Serve deployment options; `request_router_class` routes each call to the replica it names."""
+        options: dict[str, Any] = {
             "num_replicas": self.num_replicas, "ray_actor_options": self.actor_options(),
             "max_ongoing_requests": self.max_ongoing_requests, "max_queued_requests": self.max_queued_requests,
         }
+        if request_router_class is not None:
+            from ray.serve.config import RequestRouterConfig
+
+            options["request_router_config"] = RequestRouterConfig(request_router_class=request_router_class)
+        return options
 
 
 def build_transport(config: WorkerConfig, engine: AsyncLLMEngine) -> KVTransport:

@@ -16,6 +16,7 @@ from pdserve.engine.outputs import GenerationRequest
 from pdserve import trace_attributes as ta
 from pdserve.kvcache.handoff import KVImporter, engine_layout
 from pdserve.kvcache.params import HandoffParams
+from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.telemetry import Telemetry
 from pdserve.worker import WorkerConfig, build_transport, params_from_dict
 
@@ -38,7 +39,8 @@ class DecodeDeployment:
         (those events then count the first token in num_prompt_tokens)."""
         prompt = tuple(request["prompt_token_ids"])
         params = params_from_dict(request["params"])
-        gen = GenerationRequest(request["request_id"], prompt, params)
+        gen = GenerationRequest(request["request_id"], prompt, params, priority=request.get("priority", 0),
+                                max_prefill_chunk=request.get("max_prefill_chunk"))
         tracing, metrics = self.telemetry.tracing, self.telemetry.metrics
         start = time.monotonic()
         span = tracing.start_span(ta.SPAN_DECODE, context=self.telemetry.parent(request),
@@ -100,7 +102,8 @@ class DecodeDeployment:
     def stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.stats())
 
-    def metrics_snapshot(self) -> dict[str, Any]:
+    def metrics_snapshot(self, target: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`target` ({"replica": id}) only steers the call to this replica; see PlacementRequestRouter."""
         return self.telemetry.worker_snapshot(self.engine.stats())
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -110,4 +113,4 @@ class DecodeDeployment:
 
 def build_app(config: WorkerConfig | dict[str, Any]) -> Application:
     cfg = config if isinstance(config, WorkerConfig) else WorkerConfig.model_validate(config)
-    return DecodeDeployment.options(**cfg.deployment_options()).bind(cfg.model_dump())
+    return DecodeDeployment.options(**cfg.deployment_options(ROUTER_CLASS_PATH)).bind(cfg.model_dump())

@@ -13,6 +13,7 @@ from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.outputs import GenerationRequest
 from pdserve import trace_attributes as ta
 from pdserve.kvcache.handoff import KVExporter
+from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.telemetry import Telemetry
 from pdserve.worker import WorkerConfig, build_transport, params_from_dict
 
@@ -37,7 +38,7 @@ class PrefillDeployment:
         await self._start()
         gen = GenerationRequest(
             request["request_id"], tuple(request["prompt_token_ids"]), params_from_dict(request["params"]),
-            prefill_only=True,
+            prefill_only=True, priority=request.get("priority", 0), max_prefill_chunk=request.get("max_prefill_chunk"),
         )
         start = time.monotonic()
         metrics = self.telemetry.metrics
@@ -79,7 +80,8 @@ class PrefillDeployment:
     def stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.stats())
 
-    def metrics_snapshot(self) -> dict[str, Any]:
+    def metrics_snapshot(self, target: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`target` ({"replica": id}) only steers the call to this replica; see PlacementRequestRouter."""
         return self.telemetry.worker_snapshot(self.engine.stats())
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -89,4 +91,4 @@ class PrefillDeployment:
 
 def build_app(config: WorkerConfig | dict[str, Any]) -> Application:
     cfg = config if isinstance(config, WorkerConfig) else WorkerConfig.model_validate(config)
-    return PrefillDeployment.options(**cfg.deployment_options()).bind(cfg.model_dump())
+    return PrefillDeployment.options(**cfg.deployment_options(ROUTER_CLASS_PATH)).bind(cfg.model_dump())

@@ -26,6 +26,9 @@ class Prepared:
     stream: bool
     include_usage: bool
     want_logprobs: bool
+    ttft_slo_s: float
+    tpot_slo_s: float
+    priority: str  # "interactive" | "batch"
 
     def params_for(self, index: int) -> SamplingParams:
         """Choice `index` samples with seed + index, so n choices differ yet stay reproducible."""
@@ -105,7 +108,32 @@ def prepare(
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Prepared(chat, prompt_ids, params, req.n, req.stream, include_usage, params.logprobs is not None)
+    slo = req.slo
+    ttft_s = slo.ttft_ms / 1e3 if slo and slo.ttft_ms else config.slo_ttft_s
+    tpot_s = slo.tpot_ms / 1e3 if slo and slo.tpot_ms else config.slo_tpot_s
+    return Prepared(chat, prompt_ids, params, req.n, req.stream, include_usage, params.logprobs is not None,
+                    ttft_s, tpot_s, req.priority or "interactive")
+
+
+SLO_HEADERS = {"x-slo-ttft-ms": "ttft_ms", "x-slo-tpot-ms": "tpot_ms"}
+
+
+def merge_slo_headers(data: dict[str, Any], headers) -> dict[str, Any]:
+    """X-SLO-TTFT-Ms / X-SLO-TPOT-Ms / X-Priority headers, where the body does not say otherwise;
+    the merged body is validated like any other (a bad header value is a 400 on `slo` or `priority`)."""
+    slo = {}
+    for header, key in SLO_HEADERS.items():
+        if (value := headers.get(header)) is not None:
+            try:
+                slo[key] = float(value)
+            except ValueError:
+                raise bad_request(f"{header} must be a number of milliseconds, got {value!r}", param="slo") from None
+    if slo:
+        given = data.get("slo")
+        data = {**data, "slo": {**slo, **given} if isinstance(given, dict) else given if given is not None else slo}
+    if (priority := headers.get("x-priority")) is not None and "priority" not in data:
+        data = {**data, "priority": priority}
+    return data
 
 
 def _tokenize(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[int]:

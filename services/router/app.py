@@ -8,7 +8,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.models.tiny import resolve_model_path
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.services.router import openai_api as oa
-from pdserve.services.router.admission import Prepared, check_auth, params_to_dict, prepare, read_json
+from pdserve.latency_model import LatencyProfile
+from pdserve.prefix_hash import prompt_block_hashes
+from pdserve.services.router.admission import (
+    Prepared,
+    check_auth,
+    merge_slo_headers,
+    prepare,
+    read_json,
+)
 from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.dispatch import DispatchMixin, prediction_attributes
 from pdserve.services.router.errors import APIError, error_body
 from pdserve.services.router.grpc_api import GrpcServiceMixin
 from opentelemetry import trace
@@ -28,6 +36,8 @@ from pdserve.metrics import CONTENT_TYPE
 from pdserve.services.router.metrics import APIMetrics
 from pdserve.slo import SloWindow
 from pdserve.telemetry import Telemetry
+from pdserve.services.router.placement import Placement, PlacementConfig, PlacementRequest, Rejection
+from pdserve.services.router.placer import Placer
 from pdserve.services.router.policy import decide
 from pdserve.services.router.streaming import first_event, prepend, sse_stream, upstream_error
 from ray import serve
@@ -74,9 +84,16 @@ def _model_vocab_size(model_dir: Path, tokenizer: Tokenizer) -> int:
     return tokenizer.vocab_size
 
 
+def _app_name() -> str:
+    try:
+        return serve.get_replica_context().app_name
+    except Exception:  # not inside a Serve replica
+        return "default"
+
+
 @serve.deployment(name="router")
 @serve.ingress(fastapi_app)
-class RouterDeployment(GrpcServiceMixin):
+class RouterDeployment(GrpcServiceMixin, DispatchMixin):
     def __init__(
         self, config: dict[str, Any], prefill: DeploymentHandle | None, decode: DeploymentHandle
     ) -> None:
@@ -92,6 +109,11 @@ class RouterDeployment(GrpcServiceMixin):
         self.metrics = self.telemetry.metrics
         self.api_metrics = APIMetrics(self.metrics.registry)
         self._worker_snapshots: dict[str, tuple[float, dict]] = {}  # replica -> (monotonic time, snapshot)
+        placement = PlacementConfig.model_validate({
+            "mode": self.config.mode, "disaggregate_min_prompt_tokens": self.config.disaggregate_min_prompt_tokens,
+            "max_chunk_tokens": self.config.max_model_len, **self.config.placement})
+        profile = LatencyProfile.from_dict(self.config.profile) if self.config.profile else None
+        self.placer = Placer(placement, profile, _app_name(), prefill is not None)
         self.num_inflight = 0
         self.created = int(time.time())
         self._background: set[asyncio.Task] = set()
@@ -114,11 +136,18 @@ class RouterDeployment(GrpcServiceMixin):
         return Response(self.metrics.render(await self._fresh_worker_snapshots()), media_type=CONTENT_TYPE)
 
     async def _fresh_worker_snapshots(self) -> list[dict]:
-        """Each worker deployment answers with one replica's snapshot per call; replicas seen within
-        `metrics_staleness_s` stay in the exposition, so with several replicas every scrape refreshes
-        one of each role and the rest age out only when they stop answering."""
-        handles = [h for h in (self.prefill, self.decode) if h is not None]
-        replies = await asyncio.gather(*(h.metrics_snapshot.remote() for h in handles), return_exceptions=True)
+        """One snapshot from every worker replica the stats poller knows (each call names its replica,
+        which PlacementRequestRouter honours), or from whichever replica answers before it knows any.
+        Replicas seen within `metrics_staleness_s` stay in the exposition."""
+        self.placer.start()
+        calls = []
+        for role, handle in (("prefill", self.prefill), ("decode", self.decode)):
+            if handle is None:
+                continue
+            replicas = [s.replica for s in self.placer.poller.snapshots(role)]
+            calls += [handle.metrics_snapshot.remote({"replica": r}) for r in replicas] or [
+                handle.metrics_snapshot.remote()]
+        replies = await asyncio.gather(*calls, return_exceptions=True)
         now = time.monotonic()
         for reply in replies:
             if isinstance(reply, dict):
@@ -127,8 +156,6 @@ class RouterDeployment(GrpcServiceMixin):
             if now - seen > self.config.metrics_staleness_s:
                 del self._worker_snapshots[replica]
         return [snapshot for _, snapshot in self._worker_snapshots.values()]
-
-    # ---- OpenAI API
 
     @fastapi_app.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -150,7 +177,7 @@ class RouterDeployment(GrpcServiceMixin):
         endpoint = "chat" if chat else "completions"
         try:
             check_auth(request, self.api_keys)
-            data = await read_json(request, self.config.max_body_bytes)
+            data = merge_slo_headers(await read_json(request, self.config.max_body_bytes), request.headers)
             parent = self.telemetry.tracing.context_from_headers(request.headers)
             prepared, meta, events = self._start(data, chat, request.state.request_id, parent)
             first = await first_event(events, self.config.retry_after_s)
@@ -190,15 +217,43 @@ class RouterDeployment(GrpcServiceMixin):
                                   kind=SpanKind.SERVER, attributes=self._request_attributes(prepared, meta, request_id))
         num_prompt_tokens = len(prepared.prompt_token_ids)
         with tracing.span(ta.SPAN_ROUTE, context=trace.set_span_in_context(span)) as route:
-            decision = decide(self.config.mode, num_prompt_tokens, self.config.disaggregate_min_prompt_tokens,
-                              self.prefill is not None)
-            attributes = {ta.DISAGGREGATE: decision.disaggregate, ta.DECISION_REASON: decision.reason,
-                          "pdserve.route.candidates": ["prefill", "decode"] if self.prefill else ["decode"]}
-            route.set_attributes(attributes)
+            try:
+                placement = self._place(prepared)
+            except APIError as err:
+                span.set_status(trace.StatusCode.ERROR, err.message)
+                span.end()
+                raise
+            attributes = {ta.DISAGGREGATE: placement.disaggregate, ta.DECISION_REASON: placement.reason,
+                          "pdserve.placement.policy": self.placer.policy_name}
+            if placement.prefill_replica:
+                attributes[ta.PREFILL_REPLICA] = placement.prefill_replica
+            if placement.decode_replica:
+                attributes[ta.DECODE_REPLICA] = placement.decode_replica
             span.set_attributes(attributes)
-        self.metrics.count_decision("disaggregate" if decision.disaggregate else "skip", decision.reason, prepared.n)
+            if route.is_recording():
+                route.set_attributes({**attributes, **prediction_attributes(placement)})
+        self.metrics.count_decision("disaggregate" if placement.disaggregate else "skip", placement.reason, prepared.n)
         self.metrics.add_prompt_tokens(num_prompt_tokens * prepared.n)
-        return prepared, meta, self._merged(request_id, prepared, decision.disaggregate, span, meta)
+        return prepared, meta, self._merged(request_id, prepared, placement, span, meta)
+
+    def _place(self, p: Prepared) -> Placement:
+        """The policy's placement over live replica stats; until stats arrive, the prompt-length rule
+        and Serve's own replica choice. No placement within the SLOs (admission: reject) is a 429."""
+        self.placer.start()
+        request = PlacementRequest(
+            len(p.prompt_token_ids), p.params.max_tokens, p.ttft_slo_s, p.tpot_slo_s, p.priority,
+            block_hashes=tuple(prompt_block_hashes(p.prompt_token_ids, 16)))
+        if not self.placer.snapshots("decode"):
+            split = decide(self.config.mode, request.num_prompt_tokens, self.config.disaggregate_min_prompt_tokens,
+                           self.prefill is not None)
+            return Placement(split.disaggregate, None, None, split.reason)
+        result = self.placer.place(request)
+        if isinstance(result, Rejection):
+            retry = max(1, round(result.retry_after_s))
+            raise APIError(429, f"no replica can serve this request within its SLOs ({result.reason}); retry later",
+                           code="slo_unattainable", reason=f"slo_{result.reason}",
+                           headers={"Retry-After": str(retry)})
+        return result
 
     def _request_attributes(self, p: Prepared, meta: oa.ResponseMeta, request_id: str) -> dict[str, Any]:
         if not self.telemetry.tracing.enabled:
@@ -226,137 +281,14 @@ class RouterDeployment(GrpcServiceMixin):
         self.num_inflight -= 1
         self.api_metrics.inflight.set(self.num_inflight)
 
-    # ---- streams
-
-    async def _merged(
-        self, request_id: str, p: Prepared, disaggregate: bool, span, meta: oa.ResponseMeta
-    ) -> AsyncIterator[tuple[int, dict]]:
-        """(choice index, event) from n sub-requests; closing it cancels them all (engines abort, KV frees).
-        Ends the request's span and records its TTFT/TPOT/E2E and SLO outcome (not for client aborts)."""
-        start = time.monotonic()
-        ttft = None
-        num_tokens = [0] * p.n
-        finish_reasons: list[str] = []
-        outcome = None  # True: finished, False: failed; None: the client went away
-        carrier = self.telemetry.tracing.inject(span)
-        self._enter()  # here, not at admission: a stream closed before its first step never ran this body
-        try:
-            async for index, event in self._choices(request_id, p, disaggregate, carrier):
-                count = len(event.get("token_ids") or ())
-                if ttft is None and count:
-                    ttft = time.monotonic() - start
-                    span.add_event(ta.EVENT_FIRST_TOKEN)
-                num_tokens[index] += count
-                if event.get("finished"):
-                    finish_reasons.append(event.get("finish_reason") or "")
-                yield index, event
-            outcome = True
-        except Exception as exc:
-            outcome = False
-            span.record_exception(exc)
-            span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            self._exit()
-            total = sum(num_tokens)
-            self.metrics.add_generation_tokens(total)
-            if outcome is not None:
-                self.metrics.record_request(ok=outcome, ttft_s=ttft, e2e_s=time.monotonic() - start,
-                                            output_tokens=max(num_tokens))
-            if span.is_recording():
-                span.set_attributes(ta.response_attributes(
-                    response_id=meta.id, model=meta.model, input_tokens=len(p.prompt_token_ids),
-                    output_tokens=total, finish_reasons=finish_reasons or ["abort"]))
-            span.end()
-
-    async def _choices(
-        self, request_id: str, p: Prepared, disaggregate: bool, carrier: dict[str, str]
-    ) -> AsyncIterator[tuple[int, dict]]:
-        if p.n == 1:
-            async with aclosing(self._run_one(request_id, p.prompt_token_ids, p.params, disaggregate, carrier)) as one:
-                async for event in one:
-                    yield 0, event
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                one = self._run_one(f"{request_id}-{i}", p.prompt_token_ids, p.params_for(i), disaggregate, carrier)
-                async with aclosing(one):
-                    async for event in one:
-                        queue.put_nowait((i, event))
-                queue.put_nowait((i, None))
-            except Exception as exc:
-                queue.put_nowait((i, exc))
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(p.n)]
-        try:
-            remaining = p.n
-            while remaining:
-                i, event = await queue.get()
-                if event is None:
-                    remaining -= 1
-                    continue
-                if isinstance(event, Exception):
-                    raise event
-                yield i, event
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _run_one(
-        self, request_id: str, prompt_ids: list[int], params, disaggregate: bool, carrier: dict[str, str]
-    ) -> AsyncIterator[dict[str, Any]]:
-        request = {"request_id": request_id, "prompt_token_ids": prompt_ids, "params": params_to_dict(params),
-                   "trace": carrier}
-        handoff = first_token_id = stream = None
-        finished = imported = False
-        try:
-            if disaggregate:
-                first = await self.prefill.prefill.remote(request)
-                handoff, first_token_id = first["handoff"], first["first_token_id"]
-                first_token = {"token_ids": [first_token_id], "text": first["text"], "finished": False,
-                               "logprobs": first["logprobs"], "top_logprobs": first["top_logprobs"]}
-                if first["finish_reason"] is not None or handoff is None:
-                    finished = handoff is None
-                    yield {**first_token, "finished": True, "finish_reason": first["finish_reason"]}
-                    return
-                stream = self.decode.options(stream=True).generate.remote(request, handoff, first_token_id)
-                yield first_token
-            else:
-                stream = self.decode.options(stream=True).generate.remote(request)
-            async for event in stream:
-                imported = True
-                if "fallback" in event:  # counted and traced by decode, whose /metrics series carry the reason
-                    continue
-                finished = bool(event.get("finished"))
-                yield event
-        finally:
-            if not finished:
-                if stream is not None:
-                    stream.cancel()
-                if handoff is not None and not imported:
-                    # decode never confirmed the pull: the prefill lease would otherwise wait for its TTL
-                    self._spawn(self.prefill.abort.remote(handoff["lease_id"]))
-
-    def _spawn(self, response) -> None:
-        async def wait() -> None:
-            try:
-                await response
-            except Exception:
-                pass
-
-        task = asyncio.get_running_loop().create_task(wait())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
 
 def build_app(
     config: RouterConfig | dict[str, Any], prefill_app: Application | None, decode_app: Application
 ) -> Application:
     """The router bound to its prefill (None in colocated mode) and decode applications."""
     cfg = config if isinstance(config, RouterConfig) else RouterConfig.model_validate(config)
+    if cfg.profile_path and cfg.profile is None:  # read here, in the process that builds the app
+        cfg = cfg.model_copy(update={"profile": LatencyProfile.load(cfg.profile_path).to_dict()})
     if cfg.mode == "disaggregated" and prefill_app is None:
         raise ValueError("disaggregated mode needs a prefill application")
     return RouterDeployment.options(

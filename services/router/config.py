@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,12 +27,18 @@ class RouterConfig(BaseModel):
     max_inflight: int = Field(256, ge=1)
     retry_after_s: int = Field(1, ge=0)
     health_timeout_s: float = Field(5.0, gt=0)
-    # SLOs behind the pdserve_slo_attainment gauges (sliding window), and per-replica metrics freshness
+    # Default SLOs (a request may set its own): placement targets them, and the pdserve_slo_attainment
+    # gauges judge against them over a sliding window
     slo_ttft_s: float = Field(2.0, gt=0)
     slo_tpot_s: float = Field(0.2, gt=0)
     slo_window_s: float = Field(60.0, gt=0)
     metrics_staleness_s: float = Field(60.0, gt=0)
     tracing_env: dict[str, str] = Field(default_factory=dict)  # OTEL_* over the replica's process environment
+    # placement: PlacementConfig fields (policy: slo_aware | least_loaded | round_robin, admission, ...);
+    # slo_aware needs the latency profile written by `pdserve profile`
+    placement: dict[str, Any] = Field(default_factory=dict)
+    profile_path: str | None = None  # read where the app is built; its content travels in `profile`
+    profile: dict[str, Any] | None = None  # a LatencyProfile as JSON
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.5, ge=0)
 

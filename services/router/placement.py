@@ -173,7 +173,7 @@ class PlacementPolicy(ABC):
             raise ValueError(f"unknown priority class {request.priority!r}; known: {known}") from None
 
     def _simple(
-        self, request: PlacementRequest, prefill: ReplicaSnapshot | None, decode: ReplicaSnapshot, why: str
+        self, request: PlacementRequest, prefill: ReplicaSnapshot | None, decode: ReplicaSnapshot
     ) -> Placement:
         """The SLO-blind policies keep the router's old rule for when to disaggregate."""
         cfg = self.config
@@ -182,7 +182,7 @@ class PlacementPolicy(ABC):
         return Placement(
             disaggregate=split.disaggregate,
             prefill_replica=prefill.replica_id if split.disaggregate else None,
-            decode_replica=decode.replica_id, reason=f"{why}:{split.reason}",
+            decode_replica=decode.replica_id, reason=split.reason,  # the policy is a span attribute
             priority=self.priority_of(request),
         )
 
@@ -201,7 +201,7 @@ class RoundRobin(PlacementPolicy):
         self.counter += 1
         ordered_p, ordered_d = _by_id(prefill), _by_id(decode)
         return self._simple(request, ordered_p[i % len(ordered_p)] if ordered_p else None,
-                            ordered_d[i % len(ordered_d)], "round_robin")
+                            ordered_d[i % len(ordered_d)])
 
 
 class LeastLoaded(PlacementPolicy):
@@ -215,7 +215,7 @@ class LeastLoaded(PlacementPolicy):
             return r.load, -(r.num_free_blocks - r.pending_blocks), r.replica_id
 
         best_prefill = min(prefill, key=key) if prefill else None
-        return self._simple(request, best_prefill, min(decode, key=key), "least_loaded")
+        return self._simple(request, best_prefill, min(decode, key=key))
 
 
 def _by_id(replicas: Sequence[ReplicaSnapshot]) -> list[ReplicaSnapshot]:

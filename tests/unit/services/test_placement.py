@@ -215,7 +215,7 @@ def test_round_robin_rotates_over_replica_ids():
     assert policy.counter == 4
     short = policy.place(req(10), prefill, decode)
     assert (short.disaggregate, short.prefill_replica) == (False, None)
-    assert short.reason == "round_robin:short_prompt"
+    assert short.reason == "short_prompt"
     assert policy.place(req(10), prefill, []) == Rejection("no_replicas", 1.0)
 
 
@@ -230,7 +230,7 @@ def test_least_loaded_order(decode, expected):
     policy = create_policy(PlacementConfig(policy="least_loaded"))
     placement = policy.place(req(100), [pre("p0", num_waiting=2), pre("p1")], decode)
     assert placement.decode_replica == expected
-    assert placement.prefill_replica == "p1" and placement.reason == "least_loaded:long_prompt"
+    assert placement.prefill_replica == "p1" and placement.reason == "long_prompt"
 
 
 def test_registry():

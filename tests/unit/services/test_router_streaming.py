@@ -40,7 +40,7 @@ class Events:
 
 
 def _prepared(include_usage=False):
-    return Prepared(False, [1, 2, 3], SamplingParams(max_tokens=4), 1, True, include_usage, False)
+    return Prepared(False, [1, 2, 3], SamplingParams(max_tokens=4), 1, True, include_usage, False, 2.0, 0.2, "interactive")
 
 
 def _event(text, finished=False):

@@ -1,0 +1,159 @@
+"""How the router runs one admitted request: n choices, each a prefill call and a decode stream (or a
+decode stream alone), on the replicas placement chose; closing the stream aborts everywhere."""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from opentelemetry import trace
+from pdserve import trace_attributes as ta
+from pdserve.services.router import openai_api as oa
+from pdserve.services.router.admission import Prepared, params_to_dict
+from pdserve.services.router.placement import Placement
+
+
+class DispatchMixin:
+    """RouterDeployment's request execution; uses its prefill/decode handles, telemetry, metrics,
+    _enter/_exit and _background."""
+
+    async def _merged(
+        self, request_id: str, p: Prepared, placement: Placement, span, meta: oa.ResponseMeta
+    ) -> AsyncIterator[tuple[int, dict]]:
+        """(choice index, event) from n sub-requests; closing it cancels them all (engines abort, KV frees).
+        Ends the request's span and records its TTFT/TPOT/E2E and SLO outcome (not for client aborts)."""
+        start = time.monotonic()
+        ttft = None
+        num_tokens = [0] * p.n
+        finish_reasons: list[str] = []
+        outcome = None  # True: finished, False: failed; None: the client went away
+        carrier = self.telemetry.tracing.inject(span)
+        self._enter()  # here, not at admission: a stream closed before its first step never ran this body
+        try:
+            async for index, event in self._choices(request_id, p, placement, carrier):
+                count = len(event.get("token_ids") or ())
+                if ttft is None and count:
+                    ttft = time.monotonic() - start
+                    span.add_event(ta.EVENT_FIRST_TOKEN)
+                num_tokens[index] += count
+                if event.get("finished"):
+                    finish_reasons.append(event.get("finish_reason") or "")
+                yield index, event
+            outcome = True
+        except Exception as exc:
+            outcome = False
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self._exit()
+            total = sum(num_tokens)
+            self.metrics.add_generation_tokens(total)
+            if outcome is not None:
+                self.metrics.record_request(ok=outcome, ttft_s=ttft, e2e_s=time.monotonic() - start,
+                                            output_tokens=max(num_tokens))
+            if span.is_recording():
+                span.set_attributes(ta.response_attributes(
+                    response_id=meta.id, model=meta.model, input_tokens=len(p.prompt_token_ids),
+                    output_tokens=total, finish_reasons=finish_reasons or ["abort"]))
+            span.end()
+
+    async def _choices(
+        self, request_id: str, p: Prepared, placement: Placement, carrier: dict[str, str]
+    ) -> AsyncIterator[tuple[int, dict]]:
+        if p.n == 1:
+            async with aclosing(self._run_one(request_id, p.prompt_token_ids, p.params, placement, carrier)) as one:
+                async for event in one:
+                    yield 0, event
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                one = self._run_one(f"{request_id}-{i}", p.prompt_token_ids, p.params_for(i), placement, carrier)
+                async with aclosing(one):
+                    async for event in one:
+                        queue.put_nowait((i, event))
+                queue.put_nowait((i, None))
+            except Exception as exc:
+                queue.put_nowait((i, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(p.n)]
+        try:
+            remaining = p.n
+            while remaining:
+                i, event = await queue.get()
+                if event is None:
+                    remaining -= 1
+                    continue
+                if isinstance(event, Exception):
+                    raise event
+                yield i, event
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_one(
+        self, request_id: str, prompt_ids: list[int], params, placement: Placement, carrier: dict[str, str]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """`request["replica"]` names the replica placement chose (PlacementRequestRouter honours it)."""
+        request = {"request_id": request_id, "prompt_token_ids": prompt_ids, "params": params_to_dict(params),
+                   "trace": carrier, "priority": placement.priority,
+                   "max_prefill_chunk": placement.prefill_chunk_tokens}
+        disaggregate = placement.disaggregate
+        handoff = first_token_id = stream = None
+        finished = imported = False
+        try:
+            if disaggregate:
+                first = await self.prefill.prefill.remote({**request, "replica": placement.prefill_replica})
+                handoff, first_token_id = first["handoff"], first["first_token_id"]
+                first_token = {"token_ids": [first_token_id], "text": first["text"], "finished": False,
+                               "logprobs": first["logprobs"], "top_logprobs": first["top_logprobs"]}
+                if first["finish_reason"] is not None or handoff is None:
+                    finished = handoff is None
+                    yield {**first_token, "finished": True, "finish_reason": first["finish_reason"]}
+                    return
+                stream = self.decode.options(stream=True).generate.remote(
+                    {**request, "replica": placement.decode_replica}, handoff, first_token_id)
+                yield first_token
+            else:
+                stream = self.decode.options(stream=True).generate.remote({**request, "replica": placement.decode_replica})
+            async for event in stream:
+                imported = True
+                if "fallback" in event:  # counted and traced by decode, whose /metrics series carry the reason
+                    continue
+                finished = bool(event.get("finished"))
+                yield event
+        finally:
+            if not finished:
+                if stream is not None:
+                    stream.cancel()
+                if handoff is not None and not imported:
+                    # decode never confirmed the pull: the prefill lease would otherwise wait for its TTL
+                    self._spawn(self.prefill.abort.remote(handoff["lease_id"]))
+
+    def _spawn(self, response) -> None:
+        async def wait() -> None:
+            try:
+                await response
+            except Exception:
+                pass
+
+        task = asyncio.get_running_loop().create_task(wait())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+def prediction_attributes(placement: Placement) -> dict[str, Any]:
+    out: dict[str, Any] = {"pdserve.placement.meets_slo": placement.meets_slo}
+    if placement.predicted_ttft_s is not None:
+        out["pdserve.placement.predicted_ttft_s"] = placement.predicted_ttft_s
+    if placement.predicted_tpot_s is not None:
+        out["pdserve.placement.predicted_tpot_s"] = placement.predicted_tpot_s
+    if placement.prefill_chunk_tokens is not None:
+        out["pdserve.placement.prefill_chunk_tokens"] = placement.prefill_chunk_tokens
+    if placement.candidates:
+        out["pdserve.placement.candidates"] = [f"{c.role}:{c.replica_id}:{c.metric}={c.predicted_s:.4f}"
+                                               for c in placement.candidates]
+    return out
