@@ -60,18 +60,28 @@ def _summary(samples: list[tuple[float, float]]) -> dict[str, float]:
     }
 
 
-async def _closed_loop(one, prompts: list[list[int]], concurrency: int) -> list[tuple[float, float]]:
+async def _closed_loop(one, prompts: list[list[int]], concurrency: int) -> list[tuple[int, tuple[float, float]]]:
+    """(request index, (TTFT, E2E)) for every prompt, `concurrency` requests in flight at a time."""
     queue: asyncio.Queue = asyncio.Queue()
     for i, prompt in enumerate(prompts):
         queue.put_nowait((i, prompt))
-    samples: list[tuple[float, float]] = []
+    samples: list[tuple[int, tuple[float, float]]] = []
 
     async def worker() -> None:
         while not queue.empty():
-            samples.append(await one(*queue.get_nowait()))
+            i, prompt = queue.get_nowait()
+            samples.append((i, await one(i, prompt)))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return samples
+
+
+def _alternating(ones: list):
+    """Request i goes to ones[i % len(ones)]: paths measured side by side share the machine's drift."""
+    async def one(i: int, prompt: list[int]) -> tuple[float, float]:
+        return await ones[i % len(ones)](i, prompt)
+
+    return one
 
 
 def _direct_one(engine, max_tokens: int):
@@ -111,13 +121,18 @@ def _http_one(client, url: str, max_tokens: int):
     return one
 
 
-async def _levels(one, prompts: list[list[int]], concurrencies: list[int], num_requests: int) -> dict[str, Any]:
-    """A warm-up, then a closed loop at each concurrency level, each over max(num_requests, 4c) requests."""
-    await _closed_loop(one, prompts[:4], 1)
-    out = {}
+async def _levels(
+    one, prompts: list[list[int]], concurrencies: list[int], num_requests: int, ways: int = 1
+) -> list[dict[str, Any]]:
+    """A warm-up, then a closed loop at each concurrency level over max(num_requests, 4c) requests per
+    way; with `ways` > 1 (an `_alternating` one), one summary per way."""
+    await _closed_loop(one, prompts[:4 * ways], 1)
+    out: list[dict[str, Any]] = [{} for _ in range(ways)]
     for c in concurrencies:
-        n = max(num_requests, 4 * c)
-        out[str(c)] = _summary(await _closed_loop(one, (prompts * (n // len(prompts) + 1))[:n], c))
+        n = max(num_requests, 4 * c) * ways
+        samples = await _closed_loop(one, (prompts * (n // len(prompts) + 1))[:n], c)
+        for k in range(ways):
+            out[k][str(c)] = _summary([x for i, x in samples if i % ways == k])
     return out
 
 
@@ -128,15 +143,22 @@ def _direct(prompts, concurrencies, num_requests, max_tokens) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
         engine = AsyncLLMEngine.from_config(WorkerConfig(num_cpus=1).engine_config())
         try:
-            return await _levels(_direct_one(engine, max_tokens), prompts, concurrencies, num_requests)
+            return (await _levels(_direct_one(engine, max_tokens), prompts, concurrencies, num_requests))[0]
         finally:
             await engine.close()
 
     return asyncio.run(run())
 
 
+def _start_sink(sink: list) -> dict[str, str]:
+    sink.extend(_otlp_sink())
+    return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink[1]}",
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.0"}
+
+
 def _routed(
-    prompts, concurrencies, num_requests, max_tokens, env: dict[str, str], tracing_env: dict[str, str] | None
+    prompts, concurrencies, num_requests, max_tokens, env: dict[str, str], tracing=None
 ) -> dict[str, dict[str, Any]]:
     import httpx
     import ray
@@ -147,27 +169,31 @@ def _routed(
 
     port = free_port()
     worker = {"num_cpus": 1, "num_blocks": 512}
-    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False,
+    ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False,
              runtime_env={"env_vars": env} if env else None)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         results = {}
-        paths = [(mode, mode, {}) for mode in PATHS]
-        if tracing_env is not None:  # the same disaggregated app, tracing every request to an OTLP sink
-            paths.insert(1, (TRACED, "disaggregated", tracing_env))
-        for name, mode, traced in paths:
-            config = SystemConfig(mode=mode, transport="ucx", prefill=worker, decode=worker, tracing_env=traced,
-                                  router={"disaggregate_min_prompt_tokens": 0, "num_cpus": 0.5})
-            serve.run(build_system(config), name=name, route_prefix=f"/{name}")
-            _log(f"{name}: deployed")
+        # apps measured together, requests alternating between them; tracing on vs off side by side
+        groups = [[("disaggregated", "disaggregated", {})], [("colocated", "colocated", {})]]
+        if tracing is not None:
+            groups[0].append((TRACED, "disaggregated", tracing()))
+        for group in groups:
+            for name, mode, traced in group:
+                config = SystemConfig(mode=mode, transport="ucx", prefill=worker, decode=worker, tracing_env=traced,
+                                      router={"disaggregate_min_prompt_tokens": 0, "num_cpus": 0.5})
+                serve.run(build_system(config), name=name, route_prefix=f"/{name}")
+                _log(f"{name}: deployed")
 
-            async def run(name=name) -> dict[str, Any]:
+            async def run(group=group) -> list[dict[str, Any]]:
                 async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
-                    one = _http_one(client, f"http://127.0.0.1:{port}/{name}", max_tokens)
-                    return await _levels(one, prompts, concurrencies, num_requests)
+                    ones = [_http_one(client, f"http://127.0.0.1:{port}/{name}", max_tokens) for name, _, _ in group]
+                    return await _levels(_alternating(ones), prompts, concurrencies, num_requests, len(group))
 
-            results[name] = asyncio.run(run())
-            serve.delete(name)
+            for (name, _, _), summary in zip(group, asyncio.run(run())):
+                results[name] = summary
+            for name, _, _ in group:
+                serve.delete(name)
         return results
     finally:
         serve.shutdown()
@@ -182,22 +208,18 @@ def run(
     prompts = [[rng.randrange(0, 256) for _ in range(prompt_tokens)] for _ in range(16)]
     _log("direct engine")
     direct = _direct(prompts, list(concurrencies), num_requests, max_tokens)
-    sink = tracing_env = None
-    if tracing:
-        sink = _otlp_sink()
-        tracing_env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-                       "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink[1]}",
-                       "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.0"}
+    sink: list = []  # started after Ray: a live gRPC server in this process breaks Ray's fork of its raylet
     try:
-        routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {}, tracing_env)
+        routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {},
+                         (lambda: _start_sink(sink)) if tracing else None)
     finally:
-        if sink is not None:
+        if sink:
             sink[0].stop(grace=None)
     result: dict[str, Any] = {
         "bench": "router", "model": "tiny", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "prompt_tokens": prompt_tokens, "output_tokens": max_tokens, "env": env or {},
     }
-    if sink is not None:
+    if sink:
         result["otlp_exports_received"] = sink[2]["exports"]
         result["otlp_bytes_received"] = sink[2]["bytes"]
     for c in concurrencies:
