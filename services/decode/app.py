@@ -17,12 +17,13 @@ from pdserve import trace_attributes as ta
 from pdserve.kvcache.handoff import KVImporter, engine_layout
 from pdserve.kvcache.params import HandoffParams
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
+from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.telemetry import Telemetry
 from pdserve.worker import WorkerConfig, build_transport, params_from_dict
 
 
 @serve.deployment(name="decode")
-class DecodeDeployment:
+class DecodeDeployment(WorkerEndpoints):
     def __init__(self, config: dict[str, Any], engine: AsyncLLMEngine | None = None) -> None:
         self.config = WorkerConfig.model_validate(config)
         self.engine = engine or AsyncLLMEngine.from_config(self.config.engine_config())
@@ -98,17 +99,6 @@ class DecodeDeployment:
 
     def fallbacks(self) -> dict[str, int]:
         return dict(self.importer.fallbacks)
-
-    def stats(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.engine.stats())
-
-    def metrics_snapshot(self, target: dict[str, Any] | None = None) -> dict[str, Any]:
-        """`target` ({"replica": id}) only steers the call to this replica; see PlacementRequestRouter."""
-        return self.telemetry.worker_snapshot(self.engine.stats())
-
-    def record_routing_stats(self) -> dict[str, Any]:
-        """Polled by the router (and Serve) for placement: EngineStats plus this replica's id."""
-        return {**dataclasses.asdict(self.engine.stats()), "replica": self.telemetry.replica}
 
 
 def build_app(config: WorkerConfig | dict[str, Any]) -> Application:

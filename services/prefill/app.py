@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -14,12 +13,13 @@ from pdserve.engine.outputs import GenerationRequest
 from pdserve import trace_attributes as ta
 from pdserve.kvcache.handoff import KVExporter
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
+from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.telemetry import Telemetry
 from pdserve.worker import WorkerConfig, build_transport, params_from_dict
 
 
 @serve.deployment(name="prefill")
-class PrefillDeployment:
+class PrefillDeployment(WorkerEndpoints):
     def __init__(self, config: dict[str, Any], engine: AsyncLLMEngine | None = None) -> None:
         self.config = WorkerConfig.model_validate(config)
         self.engine = engine or AsyncLLMEngine.from_config(self.config.engine_config())
@@ -76,17 +76,6 @@ class PrefillDeployment:
         if forget is not None:
             forget(lease_id)
         return await self.engine.release_lease(lease_id)
-
-    def stats(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.engine.stats())
-
-    def metrics_snapshot(self, target: dict[str, Any] | None = None) -> dict[str, Any]:
-        """`target` ({"replica": id}) only steers the call to this replica; see PlacementRequestRouter."""
-        return self.telemetry.worker_snapshot(self.engine.stats())
-
-    def record_routing_stats(self) -> dict[str, Any]:
-        """Polled by the router (and Serve) for placement: EngineStats plus this replica's id."""
-        return {**dataclasses.asdict(self.engine.stats()), "replica": self.telemetry.replica}
 
 
 def build_app(config: WorkerConfig | dict[str, Any]) -> Application:

@@ -17,7 +17,6 @@ from pdserve.models.tiny import resolve_model_path
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.services.router import openai_api as oa
 from pdserve.latency_model import LatencyProfile
-from pdserve.prefix_hash import prompt_block_hashes
 from pdserve.services.router.admission import (
     Prepared,
     check_auth,
@@ -240,14 +239,13 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         """The policy's placement over live replica stats; until stats arrive, the prompt-length rule
         and Serve's own replica choice. No placement within the SLOs (admission: reject) is a 429."""
         self.placer.start()
-        request = PlacementRequest(
-            len(p.prompt_token_ids), p.params.max_tokens, p.ttft_slo_s, p.tpot_slo_s, p.priority,
-            block_hashes=tuple(prompt_block_hashes(p.prompt_token_ids, 16)))
-        if not self.placer.snapshots("decode"):
+        request = PlacementRequest(len(p.prompt_token_ids), p.params.max_tokens, p.ttft_slo_s, p.tpot_slo_s,
+                                   p.priority)
+        result = self.placer.place(request, p.prompt_token_ids)
+        if result is None:  # no decode stats yet
             split = decide(self.config.mode, request.num_prompt_tokens, self.config.disaggregate_min_prompt_tokens,
                            self.prefill is not None)
             return Placement(split.disaggregate, None, None, split.reason)
-        result = self.placer.place(request)
         if isinstance(result, Rejection):
             retry = max(1, round(result.retry_after_s))
             raise APIError(429, f"no replica can serve this request within its SLOs ({result.reason}); retry later",

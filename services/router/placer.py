@@ -6,11 +6,14 @@ one the router places `least_loaded` and says so in its log and in `policy_name`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 from pdserve.latency_model import LatencyProfile
+from pdserve.prefix_hash import prompt_block_hashes
 from pdserve.services.router.pending import PendingPlacements
 from pdserve.services.router.placement import (
     Placement,
@@ -59,12 +62,18 @@ class Placer:
             out.append(self.pending.apply(snap))
         return out
 
-    def place(self, request: PlacementRequest) -> Placement | Rejection:
+    def place(self, request: PlacementRequest, prompt_token_ids: Sequence[int]) -> Placement | Rejection | None:
+        """None while no decode replica has reported stats yet."""
         decode = self.snapshots("decode")
+        if not decode:
+            return None
         prefill = self.snapshots("prefill") if self.config.mode == "disaggregated" else []
+        block_size = decode[0].block_size
+        if any(s.prefix_hashes is not None for s in (*prefill, *decode)):  # prefix credit needs the hashes
+            request = dataclasses.replace(request, block_hashes=prompt_block_hashes(prompt_token_ids, block_size))
         result = self.policy.place(request, prefill, decode)
-        if isinstance(result, Placement) and decode:
-            self.pending.record_placement(result, request, decode[0].block_size)
+        if isinstance(result, Placement):
+            self.pending.record_placement(result, request, block_size)
         return result
 
     async def close(self) -> None:
