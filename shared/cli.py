@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
     bench.add_argument("target", choices=["engine", "kernels", "transfer", "router"],
                        help="router: run by the `pdserve` console script (it needs the services)")
-    bench.add_argument("--transports", default=None, help="transfer: comma-separated subset of local,redis,ucx")
+    bench.add_argument("--transports", default=None, help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh")
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     bench.add_argument("--seed", type=int, default=0)

@@ -210,7 +210,7 @@ def transfer_samples_from_bench(result: Mapping[str, Any]) -> dict[str, list[tup
     """(bytes, seconds) per transport from the JSON that `pdserve bench transfer --json` prints."""
     samples: dict[str, list[tuple[int, float]]] = {}
     for row in result.get("rows", ()):
-        if row.get("gb_s", 0) > 0:
+        if row.get("gb_s", 0) > 0 and row.get("endpoint_error_handling", True):  # the workers' default UCX config
             seconds = row["bytes"] / (row["gb_s"] * 1e9)
             samples.setdefault(row["transport"], []).append((int(row["bytes"]), seconds))
     return samples

@@ -13,7 +13,7 @@ import torch
 
 from pdserve.bench.roofline import best_time
 from pdserve.kvcache.layout import KVLayout
-from pdserve.kvcache.pool import KVPoolIO
+from pdserve.kvcache.pool import KVPoolIO, allocate_pool
 from pdserve.kvcache.transports.base import KVTransport
 from pdserve.kvcache.transports.local import LocalHub, LocalTransport
 from pdserve.kvcache.transports.redis import RedisTransport
@@ -32,7 +32,8 @@ def _log(message: str) -> None:
 
 def _pool(layout: KVLayout, num_blocks: int) -> KVPoolIO:
     shape = (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return KVPoolIO(torch.randn(shape, dtype=getattr(torch, layout.dtype)))
+    pool = allocate_pool(shape, getattr(torch, layout.dtype), "cpu")  # as the engine allocates it
+    return KVPoolIO(pool.copy_(torch.randn(shape, dtype=pool.dtype)))
 
 
 def memcpy_gb_s(nbytes: int, repeats: int = 5) -> float:
@@ -87,25 +88,27 @@ async def _transport_pair(name: str, layout: KVLayout, num_blocks: int, redis_ur
     raise ValueError(name)
 
 
-async def _ucx_cross_process(layout_name: str, num_blocks: int, repeats: int) -> float:
+async def _ucx_cross_process(layout_name: str, num_blocks: int, repeats: int, error_handling: bool) -> float:
     """Best pull time from an exporter in another process (the case UCX's shared-memory paths serve)."""
     import json
     import os
 
     from pdserve.bench.ucx_peer import seeded_pool
     from pdserve.kvcache.params import HandoffParams
-    from pdserve.kvcache.transports.ucx import UCXTransport
+    from pdserve.kvcache.transports.ucx import UCXConfig, UCXTransport
 
     layout = LAYOUTS[layout_name]
+    mode = "eh" if error_handling else "no-eh"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pdserve.bench.ucx_peer", layout_name, str(num_blocks), str(repeats + 1),
+        sys.executable, "-m", "pdserve.bench.ucx_peer", layout_name, str(num_blocks), str(repeats + 1), mode,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
         limit=1 << 28,
     )
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 120)
         all_params = [HandoffParams.from_dict(p) for p in json.loads(line)]
-        dst = UCXTransport(_pool(layout, num_blocks), layout)
+        dst_pool = _pool(layout, num_blocks)
+        dst = UCXTransport(dst_pool, layout, config=UCXConfig.for_pool(dst_pool, endpoint_error_handling=error_handling))
         await dst.start()
         expected = seeded_pool(layout, num_blocks)
         dst_ids = list(range(num_blocks))  # a fresh reservation is consecutive: one message per run
@@ -129,11 +132,14 @@ async def _ucx_cross_process(layout_name: str, num_blocks: int, repeats: int) ->
 def _add_row(rows: list, name: str, layout_name: str, layout: KVLayout, num_blocks: int, best: float, ref: float) -> None:
     nbytes = num_blocks * layout.block_nbytes
     gb_s = nbytes / best / 1e9
-    rows.append({
-        "transport": name, "layout": layout_name, "bytes": nbytes, "num_blocks": num_blocks,
+    row = {
+        "transport": name.split("-")[0], "layout": layout_name, "bytes": nbytes, "num_blocks": num_blocks,
         "gb_s": round(gb_s, 3), "ref": "redis_raw_gb_s" if name == "redis" else "memcpy_gb_s",
         "ratio": round(gb_s / ref, 3),
-    })
+    }
+    if name.startswith("ucx"):  # "ucx" is the default config; "ucx-no-eh" turns endpoint error handling off
+        row["endpoint_error_handling"] = name == "ucx"
+    rows.append(row)
     _log(f"{name:8s} {layout_name:10s} {nbytes / MIB:6.1f} MiB: {gb_s:.2f} GB/s ({gb_s / ref:.2f} of ref)")
 
 
@@ -149,8 +155,8 @@ async def _run(sizes_mib: list[int], transports: list[str], repeats: int) -> dic
             for size in sizes_mib:
                 num_blocks = max(1, size * MIB // layout.block_nbytes)
                 for name in transports:
-                    if name == "ucx":
-                        best = await _ucx_cross_process(layout_name, num_blocks, repeats)
+                    if name in ("ucx", "ucx-no-eh"):
+                        best = await _ucx_cross_process(layout_name, num_blocks, repeats, name == "ucx")
                         _add_row(rows, name, layout_name, layout, num_blocks, best, memcpy[size])
                         continue
                     src, dst = await _transport_pair(name, layout, num_blocks, server.url)
@@ -173,4 +179,4 @@ async def _run(sizes_mib: list[int], transports: list[str], repeats: int) -> dic
 
 
 def run(sizes_mib: list[int] | None = None, transports: list[str] | None = None, repeats: int = 3) -> dict:
-    return asyncio.run(_run(sizes_mib or [1, 16, 64, 256], transports or ["local", "redis", "ucx"], repeats))
+    return asyncio.run(_run(sizes_mib or [1, 16, 64, 256], transports or ["local", "redis", "ucx", "ucx-no-eh"], repeats))

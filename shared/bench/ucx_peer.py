@@ -1,6 +1,6 @@
 """Exporting side of the UCX transfer benchmark, run as its own process so bytes cross processes.
 
-    python -m pdserve.bench.ucx_peer LAYOUT NUM_BLOCKS NUM_LEASES
+    python -m pdserve.bench.ucx_peer LAYOUT NUM_BLOCKS NUM_LEASES [eh|no-eh]
 
 Prints one JSON line of HandoffParams dicts (one lease per timed pull), then serves until stdin closes.
 """
@@ -14,22 +14,23 @@ import uuid
 
 import torch
 
-from pdserve.kvcache.pool import KVPoolIO
+from pdserve.kvcache.pool import KVPoolIO, allocate_pool
 
 
 def seeded_pool(layout, num_blocks: int) -> KVPoolIO:
     gen = torch.Generator().manual_seed(1234)
     shape = (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return KVPoolIO(torch.randn(shape, generator=gen).to(getattr(torch, layout.dtype)))
+    pool = allocate_pool(shape, getattr(torch, layout.dtype), "cpu")  # as the engine allocates it
+    return KVPoolIO(pool.copy_(torch.randn(shape, generator=gen)))
 
 
-async def _serve(layout_name: str, num_blocks: int, num_leases: int) -> None:
+async def _serve(layout_name: str, num_blocks: int, num_leases: int, error_handling: bool) -> None:
     from pdserve.bench.transfer import LAYOUTS
-    from pdserve.kvcache.transports.ucx import UCXTransport
+    from pdserve.kvcache.transports.ucx import UCXConfig, UCXTransport
 
     layout = LAYOUTS[layout_name]
     pool = seeded_pool(layout, num_blocks)
-    transport = UCXTransport(pool, layout)
+    transport = UCXTransport(pool, layout, config=UCXConfig.for_pool(pool, endpoint_error_handling=error_handling))
     await transport.start()
     ids = list(range(num_blocks))
     params = [
@@ -43,4 +44,7 @@ async def _serve(layout_name: str, num_blocks: int, num_leases: int) -> None:
 
 if __name__ == "__main__":
     name, blocks, leases = sys.argv[1:4]
-    asyncio.run(_serve(name, int(blocks), int(leases)))
+    mode = sys.argv[4] if len(sys.argv) > 4 else "eh"
+    if mode not in ("eh", "no-eh"):
+        raise SystemExit(f"mode must be eh or no-eh, not {mode!r}")
+    asyncio.run(_serve(name, int(blocks), int(leases), mode == "eh"))

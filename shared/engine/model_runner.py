@@ -8,6 +8,7 @@ from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 from pdserve.kernels import attention_backend
 from pdserve.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from pdserve.kvcache.pool import allocate_pool
 from pdserve.models.config import ModelConfig
 
 
@@ -27,9 +28,8 @@ class ModelRunner:
         self.device = torch.device(device)
         # One contiguous region per block (all layers, K and V), so a block moves as one buffer.
         # kv_pool: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        self.kv_pool = torch.zeros(
-            num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim,
-            dtype=dtype, device=self.device,
+        self.kv_pool = allocate_pool(
+            (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim), dtype, self.device,
         )
         self.kv_caches = [(self.kv_pool[:, i, 0], self.kv_pool[:, i, 1]) for i in range(config.num_layers)]
         self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+_HUGE_PAGE = 2 << 20
+
+
+def allocate_pool(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed KV pool. On the host it is anonymous memory advised for transparent huge pages
+    (where the kernel offers them): one page-table entry per 2 MiB instead of per 4 KiB, which
+    roughly doubles UCX's cross-process copies here (CMA pins and walks every page it moves) and
+    spares the attention gathers TLB misses. The pool lives as long as the engine."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    nbytes = max(1, int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size())
+    # private: anonymous shared memory would be shmem, which has its own (usually off) huge page switch
+    region = mmap.mmap(-1, -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    pool = torch.frombuffer(region, dtype=torch.uint8, count=nbytes).view(dtype).view(*shape)  # holds `region`
+    pool.zero_()  # fault every page in now, not on the first transfer
+    return pool
 
 
 class KVPoolIO:

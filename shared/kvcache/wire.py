@@ -109,7 +109,14 @@ def decode_header(
 def verify_blocks(header: WireHeader, blocks: Sequence[memoryview | bytes]) -> None:
     if len(blocks) != header.num_blocks:
         raise WireError(f"truncated KV payload: {len(blocks)} of {header.num_blocks} blocks")
-    for i, (block, expected) in enumerate(zip(blocks, header.checksums)):
+    verify_block_run(header, 0, blocks)
+
+
+def verify_block_run(header: WireHeader, first: int, blocks: Sequence[memoryview | bytes]) -> None:
+    """Checks payload blocks first .. first + len(blocks) - 1 (a transfer verifies piece by piece)."""
+    if not 0 <= first <= first + len(blocks) <= header.num_blocks:
+        raise WireError(f"KV blocks {first}..{first + len(blocks) - 1} outside a payload of {header.num_blocks}")
+    for i, (block, expected) in enumerate(zip(blocks, header.checksums[first:]), start=first):
         if memoryview(block).nbytes != header.block_nbytes:
             raise WireError(f"truncated KV block {i}: {memoryview(block).nbytes} of {header.block_nbytes} bytes")
         if checksum(block) != expected:

@@ -55,11 +55,11 @@ class Pair:
     """An exporting transport on pool A and an importing one on pool B, closed on exit."""
 
     def __init__(self, layout: KVLayout | None = None, exporter_cls=UCXTransport, importer_cls=UCXTransport,
-                 **importer_kwargs) -> None:
+                 exporter_config: UCXConfig | None = None, **importer_kwargs) -> None:
         self.layout = layout or _layout()
         self.a, self.b = _pool(self.layout, 1), _pool(self.layout, 2)
         self.released: list[str] = []
-        self.exporter = exporter_cls(self.a, self.layout, self._release, timeout_s=5.0)
+        self.exporter = exporter_cls(self.a, self.layout, self._release, timeout_s=5.0, config=exporter_config)
         self.importer = importer_cls(self.b, self.layout, **{"timeout_s": 5.0, **importer_kwargs})
 
     async def _release(self, lease_id: str) -> None:
@@ -87,10 +87,12 @@ def no_ucx_leftovers(caplog):
     assert not [t for t in threading.enumerate() if "UCX" in t.name]
 
 
+@pytest.mark.parametrize("error_handling", [True, False], ids=["eh", "no-eh"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_round_trip_is_bit_exact_across_block_ids(dtype):
+def test_round_trip_is_bit_exact_across_block_ids(dtype, error_handling):
+    config = UCXConfig(endpoint_error_handling=error_handling)
     async def main():
-        async with Pair(_layout(dtype)) as p:
+        async with Pair(_layout(dtype), exporter_config=config, config=config) as p:
             before = p.b.kv_pool.clone()
             params = await p.export()
             assert (params.transport, params.address, params.port) == ("ucx", "127.0.0.1", p.exporter.port)
@@ -100,6 +102,23 @@ def test_round_trip_is_bit_exact_across_block_ids(dtype):
             assert torch.equal(p.b.kv_pool[untouched].view(torch.uint8), before[untouched].view(torch.uint8))
             await _until(lambda: p.released == [params.lease_id])
             assert p.exporter.num_exports == 0
+
+    asyncio.run(main())
+
+
+def test_error_handling_mismatch_is_refused_clearly():
+    # both sides must agree; UCX refuses the asymmetric endpoint, and the pull fails fast and cleanly
+    async def main():
+        async with Pair(exporter_config=UCXConfig(endpoint_error_handling=True),
+                        config=UCXConfig(endpoint_error_handling=False)) as p:
+            before = p.b.kv_pool.clone()
+            params = await p.export()
+            start = time.monotonic()
+            with pytest.raises(KVTransferError, match="connect"):
+                await p.importer.pull(params, DST_IDS)
+            assert time.monotonic() - start < 2 * p.importer.timeout_s  # bounded by the connect timeout: no hang
+            assert torch.equal(p.b.kv_pool, before)
+            assert p.exporter.num_exports == 1 and p.released == []  # still held: the lease expires or a retry pulls
 
     asyncio.run(main())
 
@@ -223,14 +242,26 @@ def test_connections_are_reused_and_bounded():
 
 
 def test_timed_out_transfer_drops_the_connection_and_a_retry_succeeds():
+    class SlowPayload:
+        """The exporter's endpoint, with its payload sends (pool views, not bytes) held back 1 s."""
+
+        def __init__(self, ep):
+            self.ep = ep
+
+        def __getattr__(self, name):
+            return getattr(self.ep, name)
+
+        async def send(self, buf):
+            if not isinstance(buf, bytes):
+                await asyncio.sleep(1.0)
+            return await self.ep.send(buf)
+
     class Stalling(UCXTransport):
         stall = True
 
-        async def _step(self, awaitable, what, peer):
-            if what == "send KV blocks" and self.stall:
-                self.stall = False
-                await asyncio.sleep(1.0)
-            return await super()._step(awaitable, what, peer)
+        async def _serve_one(self, ep, request):
+            stall, self.stall = self.stall, False
+            return await super()._serve_one(SlowPayload(ep) if stall else ep, request)
 
     async def main():
         async with Pair(exporter_cls=Stalling, timeout_s=0.3) as p:
@@ -263,7 +294,7 @@ def test_forget_then_pull_fails():
 _EXPORTER = """
 import asyncio, json, sys
 sys.path.insert(0, sys.argv[4])
-from pdserve.kvcache.transports.ucx import UCXTransport
+from pdserve.kvcache.transports.ucx import UCXConfig, UCXTransport
 from test_ucx_transport import _layout, _pool
 
 async def main():
@@ -275,7 +306,8 @@ async def main():
         print("PDKV", json.dumps({"released": lease_id}), flush=True)
         released.set()
 
-    transport = UCXTransport(pool, layout, release, timeout_s=10.0)
+    config = UCXConfig(endpoint_error_handling=sys.argv[5] == "eh")
+    transport = UCXTransport(pool, layout, release, timeout_s=10.0, config=config)
     await transport.start()
     try:
         params = await transport.export(sys.argv[2], json.loads(sys.argv[3]), [7, 8, 9], 27)
@@ -297,15 +329,19 @@ async def _next_message(proc, timeout_s: float) -> dict:
             return json.loads(line[5:])
 
 
-def test_pull_from_an_exporter_in_another_process():
+@pytest.mark.parametrize("error_handling", [True, False], ids=["eh", "no-eh"])
+def test_pull_from_an_exporter_in_another_process(error_handling):
+    # with error handling off UCX reads the exporter's pool over CMA: this is that path across processes
     async def main():
         lease = _lease()
+        mode = "eh" if error_handling else "no-eh"
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _EXPORTER, "bfloat16", lease, json.dumps(SRC_IDS[:4]), os.path.dirname(__file__),
+            sys.executable, "-c", _EXPORTER, "bfloat16", lease, json.dumps(SRC_IDS[:4]), os.path.dirname(__file__), mode,
             stdout=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         layout = _layout("bfloat16")
-        importer = UCXTransport(_pool(layout, 2), layout, timeout_s=10.0)
+        config = UCXConfig(endpoint_error_handling=error_handling)
+        importer = UCXTransport(_pool(layout, 2), layout, timeout_s=10.0, config=config)
         try:
             params = HandoffParams.from_dict(await _next_message(proc, 30))
             assert params.lease_id == lease and params.block_hashes == (7, 8, 9)
@@ -330,6 +366,8 @@ def test_env_defaults_yield_to_the_environment(monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp,self")
     applied = apply_ucx_env(config)
     assert applied["UCX_TLS"] == "tcp,self"
-    assert applied["UCX_RNDV_SCHEME"] == os.environ["UCX_RNDV_SCHEME"] == "get_zcopy"
+    assert applied["UCX_RNDV_SCHEME"] == os.environ["UCX_RNDV_SCHEME"] == "put_zcopy"
     assert applied["UCXPY_ENABLE_PYTHON_FUTURE"] == "1"
-    assert "UCX_TLS" not in UCXConfig.for_pool(KVPoolIO(torch.zeros(1, 4, device="meta"))).env
+    cuda_like = UCXConfig.for_pool(KVPoolIO(torch.zeros(1, 4, device="meta")), endpoint_error_handling=False)
+    assert "UCX_TLS" not in cuda_like.env and not cuda_like.endpoint_error_handling
+    assert UCXConfig().endpoint_error_handling  # safe by default: a dying peer raises instead of aborting us

@@ -6,8 +6,12 @@ One connection carries many pulls, one at a time (tag messages, matched in order
     importer -> SEGMENTS  num_segments x <I> run lengths; a segment is consecutive in both pools, so one message
     exporter -> STATUS    <4s H H I> b"PDKS", version, status, detail bytes; then the wire header's fixed prefix
     exporter -> DETAIL    the rest of the wire header (status OK) or a UTF-8 reason
-    exporter -> PAYLOAD   one message per segment, sent from the pool and received into the pool (zero copy)
+    exporter -> PAYLOAD   one message per piece of a segment (at most _PIECE_BYTES), sent from the pool and
+                          received into the pool (zero copy)
     importer -> ACK       b"\\x01" once the checksums verified; the exporter then releases the lease
+
+Each side posts a step's messages together (request with segments; status, header and every payload
+piece), so UCX moves them back to back; the importer verifies each piece while the next one lands.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pdserve.kvcache.layout import KVLayout, LayoutMismatch
 from pdserve.kvcache.params import HandoffParams
 from pdserve.kvcache.pool import KVPoolIO
 from pdserve.kvcache.transports.base import KVTransferError, KVTransport, ReleaseFn
-from pdserve.kvcache.transports.ucx_env import UCXConfig, apply_ucx_env, ucx_context, ucx_error
+from pdserve.kvcache.transports.ucx_env import UCXConfig, apply_ucx_env, create_listener, ucx_context, ucx_error
 
 __all__ = ["UCXConfig", "UCXTransport", "apply_ucx_env"]
 
@@ -40,6 +44,7 @@ _WIRE_PREFIX = wire._HEAD.size  # the fixed part of the wire header that peek_nu
 _OK, _UNKNOWN_LEASE, _BAD_REQUEST = 0, 1, 2
 _MAX_DETAIL = 1024
 _ACK = b"\x01"
+_PIECE_BYTES = 32 << 20  # payload message size bound: the unit of verify/receive overlap
 _LEASE_ID = re.compile(r"[0-9a-f]{32}")
 T = TypeVar("T")
 
@@ -129,7 +134,8 @@ class UCXTransport(KVTransport):
 
     async def start(self) -> None:
         if self._listener is None:
-            self._listener = ucx_context.acquire(self).create_listener(self._serve, port=self.port)
+            ucxx = ucx_context.acquire(self)
+            self._listener = create_listener(ucxx, self._serve, self.port, self.config.endpoint_error_handling)
             self.port = self._listener.port
 
     async def export(
@@ -195,10 +201,9 @@ class UCXTransport(KVTransport):
         is_acked = False
         try:
             head = _STATUS.pack(b"PDKS", _VERSION, _OK, len(export.header) - _WIRE_PREFIX)
-            await self._step(ep.send(head + export.header[:_WIRE_PREFIX]), "send the status", "importer")
-            await self._step(ep.send(export.header[_WIRE_PREFIX:]), "send the KV header", "importer")
-            for first, count in runs:
-                await self._step(ep.send(_span(self.pool, first, count)), "send KV blocks", "importer")
+            sends = [ep.send(head + export.header[:_WIRE_PREFIX]), ep.send(export.header[_WIRE_PREFIX:])]
+            sends += [ep.send(_span(self.pool, first, count)) for first, count in self._pieces(runs)]
+            await self._step(asyncio.gather(*sends), "send KV blocks", "importer")
             ack = bytearray(1)
             await self._step(ep.recv(ack), "wait for the ack", "importer")
             is_acked = ack == _ACK
@@ -254,8 +259,9 @@ class UCXTransport(KVTransport):
             ep = endpoints.take_idle()
             if ep is None:
                 ucxx = ucx_context.acquire(self)
-                ep = await self._step(ucxx.create_endpoint(address, port, connect_timeout=self.timeout_s),
-                                      "connect", peer)
+                connect = ucxx.create_endpoint(address, port, connect_timeout=self.timeout_s,
+                                               endpoint_error_handling=self.config.endpoint_error_handling)
+                ep = await self._step(connect, "connect", peer)
                 endpoints.num_created += 1
             endpoints.busy.add(ep)
             return ep
@@ -269,9 +275,8 @@ class UCXTransport(KVTransport):
         """One pull on `ep`; True if the connection is left clean for reuse."""
         lease = params.lease_id
         request = _REQUEST.pack(b"PDKQ", _VERSION, 0, lease.encode("ascii"), len(dest_block_ids), len(segments))
-        await self._step(ep.send(request), "send the pull request", peer)
         lengths = struct.pack(f"<{len(segments)}I", *(count for _, count in segments))
-        await self._step(ep.send(lengths), "send the pull segments", peer)
+        await self._step(asyncio.gather(ep.send(request), ep.send(lengths)), "send the pull request", peer)
         status_buf = bytearray(_STATUS.size + _WIRE_PREFIX)
         await self._step(ep.recv(status_buf), "receive the status", peer)
         magic, version, status, detail_nbytes = _STATUS.unpack_from(status_buf)
@@ -289,20 +294,34 @@ class UCXTransport(KVTransport):
         if num_blocks != len(dest_block_ids) or detail_nbytes != wire.header_size(num_blocks) - _WIRE_PREFIX:
             raise wire.WireError(f"KV header announces {num_blocks} blocks, the handoff has {len(dest_block_ids)}")
         rest = bytearray(detail_nbytes)
-        await self._step(ep.recv(rest), "receive the KV header", peer)
-        header = wire.decode_header(prefix + rest, self.layout.layout_hash, self.pool.block_nbytes,
-                                    max_blocks=len(dest_block_ids))
-        if header.block_hashes[: len(params.block_hashes)] != params.block_hashes:
-            raise wire.WireError(f"KV blocks from {peer} are not the ones the handoff of lease {lease} names")
-        for first, count in _dest_runs(dest_block_ids, segments):
-            await self._step(ep.recv(_span(self.pool, first, count)), "receive KV blocks", peer)
-        wire.verify_blocks(header, self.pool.read_blocks(dest_block_ids))
+        pieces = self._pieces(_dest_runs(dest_block_ids, segments))
+        receives = [asyncio.ensure_future(ep.recv(rest))]  # posted at once: the exporter sends them back to back
+        receives += [asyncio.ensure_future(ep.recv(_span(self.pool, first, count))) for first, count in pieces]
+        try:
+            await self._step(receives[0], "receive the KV header", peer)
+            header = wire.decode_header(prefix + rest, self.layout.layout_hash, self.pool.block_nbytes,
+                                        max_blocks=len(dest_block_ids))
+            if header.block_hashes[: len(params.block_hashes)] != params.block_hashes:
+                raise wire.WireError(f"KV blocks from {peer} are not the ones the handoff of lease {lease} names")
+            verified = 0
+            for received, (first, count) in zip(receives[1:], pieces):
+                await self._step(received, "receive KV blocks", peer)
+                wire.verify_block_run(header, verified, self.pool.read_blocks(range(first, first + count)))
+                verified += count
+        finally:
+            for received in receives:  # after a failure: the caller aborts the endpoint, which ends them
+                received.cancel()
         try:
             await self._step(ep.send(_ACK), "send the ack", peer)
         except KVTransferError as e:  # the blocks are verified: keep them; the exporter's lease expires instead
             logger.warning("%s; lease %s stays held on the exporter until it expires", e, lease)
             return False
         return True
+
+    def _pieces(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Runs of (first block, count) cut into payload messages of at most _PIECE_BYTES; both sides cut alike."""
+        limit = max(1, _PIECE_BYTES // self.pool.block_nbytes)
+        return [(first + k, min(limit, count - k)) for first, count in runs for k in range(0, count, limit)]
 
     async def _step(self, awaitable: Awaitable[T], what: str, peer: str) -> T:
         try:
