@@ -56,7 +56,7 @@ def _summary(samples: list[tuple[float, float]]) -> dict[str, float]:
     return {
         "ttft_ms_p50": round(float(np.percentile(ttft, 50)), 3), "ttft_ms_p99": round(float(np.percentile(ttft, 99)), 3),
         "e2e_ms_p50": round(float(np.percentile(e2e, 50)), 3), "e2e_ms_p99": round(float(np.percentile(e2e, 99)), 3),
-        "num_requests": len(samples),
+        "num_requests": len(samples), "_ttft_ms": ttft.tolist(),  # raw TTFTs, popped by run()
     }
 
 
@@ -212,9 +212,11 @@ def run(
     try:
         routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {},
                          (lambda: _start_sink(sink)) if tracing else None)
-    finally:
+    except BaseException:
         if sink:
             sink[0].stop(grace=None)
+        raise
+    sink_endpoint = f"http://127.0.0.1:{sink[1]}" if sink else ""
     result: dict[str, Any] = {
         "bench": "router", "model": "tiny", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "prompt_tokens": prompt_tokens, "output_tokens": max_tokens, "env": env or {},
@@ -240,9 +242,23 @@ def run(
     result["added_ttft_ms_p50"] = first["added_ttft_ms_p50"]
     result["target_added_ttft_ms_p50"] = 5.0
     result["meets_target"] = first["added_ttft_ms_p50"] <= 5.0
+    raw = {"disaggregated": {}, "traced": {}}
+    for c in concurrencies:
+        block = result[f"concurrency_{c}"]
+        for name in (*PATHS, TRACED, "direct"):
+            if name in block:
+                ttfts = block[name].pop("_ttft_ms")
+                if name in ("disaggregated", TRACED):
+                    raw["disaggregated" if name == "disaggregated" else "traced"][str(c)] = ttfts
     if tracing:
+        from pdserve.services.bench_tracing import summarize
+
+        summarize(result, raw, sink_endpoint)
         result["tracing_overhead_ttft_p50_pct"] = first["tracing_overhead_ttft_p50_pct"]
+        result["tracing_overhead_ttft_p50_pct_ci95"] = first["tracing_overhead_ttft_p50_pct_ci95"]
         result["target_tracing_overhead_ttft_p50_pct"] = 3.0
+    if sink:
+        sink[0].stop(grace=None)
     return result
 
 

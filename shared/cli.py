@@ -88,7 +88,19 @@ def _plan(args: argparse.Namespace) -> int:
     prefill, source = latency_model_for(args.profile, "prefill", *hardware)
     decode, _ = latency_model_for(args.profile, "decode", *hardware)
     result = plan(config, inp, prefill, decode, source)
-    print(json.dumps(result.to_dict()) if args.json else render(result, inp))
+    check = None
+    if args.measure:
+        from pdserve.bench import plan_check
+
+        check = plan_check.measure(args.model, result, inp, prefill, decode)
+    if args.json:
+        print(json.dumps({**result.to_dict(), **({"measured": check} if check else {})}))
+    else:
+        print(render(result, inp))
+        if check:
+            from pdserve.bench.plan_check import render as render_check
+
+            print(render_check(check))
     return 0
 
 
@@ -137,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--prompt-tokens", type=int, default=256, help="mean prompt length")
     pl.add_argument("--output-tokens", type=int, default=128, help="mean output length")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument("--measure", action="store_true",
+                    help="also run the model here (--model must be 'tiny' or a checkpoint dir): a mean prompt's "
+                         "prefill and a decode step at the planned batch, against the predictions")
     pl.set_defaults(func=_plan)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)

@@ -128,6 +128,7 @@ class PlacementConfig(BaseModel):
     disaggregate_min_prompt_tokens: int = Field(32, ge=0)
     # stats older than this are unknown: skipped while a fresh replica exists, else used with the penalty
     max_stats_age_s: float = Field(5.0, gt=0)
+    stats_poll_period_s: float = Field(0.1, gt=0)  # how often the router asks each replica for its stats
     stale_penalty: float = Field(2.0, ge=1)
     # when no placement meets the SLOs: "reject" answers 429 once the least-bad prediction exceeds
     # reject_factor x the SLO; "queue" always places (flagged meets_slo=False)

@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 class Placer:
     def __init__(
         self, config: PlacementConfig, profile: LatencyProfile | None, app_name: str, has_prefill: bool,
-        poll_period_s: float = 0.1,
     ) -> None:
         if config.policy == "slo_aware" and profile is None:
             logger.warning("slo_aware placement needs a latency profile (router.profile_path); using least_loaded")
@@ -39,7 +38,7 @@ class Placer:
         self.config = config
         self.policy = create_policy(config, profile)
         roles = ("prefill", "decode") if has_prefill else ("decode",)
-        self.poller = ReplicaStatsPoller(app_name, roles, period_s=poll_period_s,
+        self.poller = ReplicaStatsPoller(app_name, roles, period_s=config.stats_poll_period_s,
                                          staleness_s=config.max_stats_age_s)
         self.pending = PendingPlacements()
         self._observed: dict[str, float] = {}  # replica -> receive time of the stats already observed

@@ -37,7 +37,7 @@ def _log(message: str) -> None:
     print(f"[profile] {message}", file=sys.stderr, flush=True)
 
 
-class _Prober:
+class Prober:
     def __init__(self, engine: LLMEngine, seed: int) -> None:
         self.engine = engine
         self.rng = random.Random(seed)
@@ -124,7 +124,7 @@ def profile(
         ),
     )
     engine = LLMEngine(config)
-    prober = _Prober(engine, seed)
+    prober = Prober(engine, seed)
     # warm-up at the largest shapes: the first touch of fresh buffers is slow here
     prober.prefill(max(prompt_lengths))
     prober.decode(max(batch_sizes), max(context_lengths), 1)

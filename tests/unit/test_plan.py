@@ -118,3 +118,22 @@ def test_cli_plan_roofline(capsys):
     assert json.loads(capsys.readouterr().out)["latency_source"] == "roofline"
     with pytest.raises(ValueError, match="--flops"):
         main(ARGS)
+
+
+def test_cli_plan_measure_runs_the_model_against_the_plan(tmp_path, capsys):
+    # a deliberately wrong profile: the measured/predicted ratios must expose it, not echo the plan
+    LatencyProfile({"default": MODEL}).save(tmp_path / "p.json")
+    args = [*ARGS, "--profile", str(tmp_path / "p.json"), "--prompt-tokens", "64", "--output-tokens", "16"]
+    assert main([*args, "--json", "--measure"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    check = out["measured"]
+    assert check["decode_batch"] == min(out["decode_batch"], 64) and check["prompt_tokens"] == 64
+    for key in ("prefill_s", "decode_step_s"):
+        fig = check[key]
+        assert fig["measured"] > 0 and fig["predicted"] > 0
+        assert fig["ratio"] == pytest.approx(fig["measured"] / fig["predicted"])
+    assert check["prefill_s"]["predicted"] == pytest.approx(MODEL.prefill_time_s(64))
+    assert check["decode_tokens_s"]["measured"] == pytest.approx(check["decode_batch"] / check["decode_step_s"]["measured"])
+    assert main([*args, "--measure"]) == 0
+    text = capsys.readouterr().out
+    assert "prefill:decode" in text and "measured on this machine" in text and "predicted (x" in text

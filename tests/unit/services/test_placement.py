@@ -274,3 +274,12 @@ def test_pending_placements_count_until_stats_show_them():
     assert pending.apply(snap("d0")).num_pending == 1
     now[0] = 111.0  # no stats for longer than max_age_s: forgotten
     assert pending.apply(pre("p0")).num_pending == 0
+
+
+def test_stats_poll_period_reaches_the_poller():
+    from pdserve.services.router.placer import Placer
+
+    placer = Placer(PlacementConfig(policy="least_loaded", stats_poll_period_s=0.5), None, "app", has_prefill=True)
+    assert placer.poller.period_s == 0.5 and placer.poller.deployments == ("prefill", "decode")
+    with pytest.raises(ValidationError):
+        PlacementConfig(stats_poll_period_s=0)
