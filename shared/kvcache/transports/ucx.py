@@ -24,7 +24,6 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-import torch
 
 from pdserve.kvcache import wire
 from pdserve.kvcache.layout import KVLayout, LayoutMismatch
@@ -32,6 +31,7 @@ from pdserve.kvcache.params import HandoffParams
 from pdserve.kvcache.pool import KVPoolIO
 from pdserve.kvcache.transports.base import KVTransferError, KVTransport, ReleaseFn
 from pdserve.kvcache.transports.ucx_env import UCXConfig, apply_ucx_env, create_listener, ucx_context, ucx_error
+from pdserve.kvcache.transports.ucx_io import EndpointPool, all_of, dest_runs, runs_of, segments_of, span
 
 __all__ = ["UCXConfig", "UCXTransport", "apply_ucx_env"]
 
@@ -57,37 +57,6 @@ class _Refused(KVTransferError):
 class _Export:
     block_ids: tuple[int, ...]
     header: bytes  # wire header, checksums taken at export time
-
-
-class _EndpointPool:
-    """At most `limit` connections to one peer; idle ones are reused, broken ones dropped."""
-
-    def __init__(self, limit: int) -> None:
-        self.slots = asyncio.Semaphore(limit)
-        self.idle: list[Any] = []
-        self.busy: set[Any] = set()
-        self.num_created = 0
-
-    def take_idle(self) -> Any | None:
-        while self.idle:
-            ep = self.idle.pop()
-            if not ep.closed:
-                return ep
-            ep.abort()
-        return None
-
-    def put(self, ep: Any, reusable: bool) -> None:
-        self.busy.discard(ep)
-        if reusable and not ep.closed:
-            self.idle.append(ep)
-        else:
-            ep.abort()  # cancels its posted receives: nothing lands in the pool after this
-        self.slots.release()
-
-    def close(self) -> None:
-        for ep in [*self.idle, *self.busy]:
-            ep.abort()  # an in-flight pull on a busy one fails at once
-        self.idle.clear()
 
 
 class UCXTransport(KVTransport):
@@ -119,7 +88,7 @@ class UCXTransport(KVTransport):
         self._serving: dict[str, _Export] = {}  # claimed by a connection, awaiting the ack
         self._server_eps: set[Any] = set()
         self._handlers: set[asyncio.Task] = set()
-        self._peers: dict[tuple[str, int], _EndpointPool] = {}
+        self._peers: dict[tuple[str, int], EndpointPool] = {}
         self._closed = False
 
     @property
@@ -192,7 +161,7 @@ class UCXTransport(KVTransport):
         export = self._exports.pop(lease_id, None)
         if export is None:
             return await self._refuse(ep, _UNKNOWN_LEASE, f"unknown, expired or busy lease {lease_id}")
-        runs = _runs_of(export.block_ids, lengths)
+        runs = runs_of(export.block_ids, lengths)
         if runs is None or len(export.block_ids) != num_blocks:
             self._exports[lease_id] = export
             return await self._refuse(ep, _BAD_REQUEST, f"lease {lease_id} has {len(export.block_ids)} blocks; "
@@ -202,8 +171,8 @@ class UCXTransport(KVTransport):
         try:
             head = _STATUS.pack(b"PDKS", _VERSION, _OK, len(export.header) - _WIRE_PREFIX)
             sends = [ep.send(head + export.header[:_WIRE_PREFIX]), ep.send(export.header[_WIRE_PREFIX:])]
-            sends += [ep.send(_span(self.pool, first, count)) for first, count in self._pieces(runs)]
-            await self._step(asyncio.gather(*sends), "send KV blocks", "importer")
+            sends += [ep.send(span(self.pool, first, count)) for first, count in self._pieces(runs)]
+            await self._step(all_of(sends), "send KV blocks", "importer")
             ack = bytearray(1)
             await self._step(ep.recv(ack), "wait for the ack", "importer")
             is_acked = ack == _ACK
@@ -235,7 +204,7 @@ class UCXTransport(KVTransport):
             raise ValueError(f"duplicate destination blocks {dest_block_ids}")
         for b in dest_block_ids:
             self.pool.block_tensor(b)  # IndexError before any I/O
-        segments = _segments(params.block_ids, dest_block_ids)
+        segments = segments_of(params.block_ids, dest_block_ids)
         peer = f"{params.address}:{params.port}"
         ep = await self._acquire(params.address, params.port, peer)
         endpoints = self._peers[(params.address, params.port)]
@@ -253,7 +222,7 @@ class UCXTransport(KVTransport):
     async def _acquire(self, address: str, port: int, peer: str) -> Any:
         if self._closed:
             raise KVTransferError("UCX transport is closed")
-        endpoints = self._peers.setdefault((address, port), _EndpointPool(self.max_connections))
+        endpoints = self._peers.setdefault((address, port), EndpointPool(self.max_connections))
         await self._step(endpoints.slots.acquire(), "wait for a free connection", peer)
         try:
             ep = endpoints.take_idle()
@@ -276,7 +245,7 @@ class UCXTransport(KVTransport):
         lease = params.lease_id
         request = _REQUEST.pack(b"PDKQ", _VERSION, 0, lease.encode("ascii"), len(dest_block_ids), len(segments))
         lengths = struct.pack(f"<{len(segments)}I", *(count for _, count in segments))
-        await self._step(asyncio.gather(ep.send(request), ep.send(lengths)), "send the pull request", peer)
+        await self._step(all_of([ep.send(request), ep.send(lengths)]), "send the pull request", peer)
         status_buf = bytearray(_STATUS.size + _WIRE_PREFIX)
         await self._step(ep.recv(status_buf), "receive the status", peer)
         magic, version, status, detail_nbytes = _STATUS.unpack_from(status_buf)
@@ -294,9 +263,9 @@ class UCXTransport(KVTransport):
         if num_blocks != len(dest_block_ids) or detail_nbytes != wire.header_size(num_blocks) - _WIRE_PREFIX:
             raise wire.WireError(f"KV header announces {num_blocks} blocks, the handoff has {len(dest_block_ids)}")
         rest = bytearray(detail_nbytes)
-        pieces = self._pieces(_dest_runs(dest_block_ids, segments))
+        pieces = self._pieces(dest_runs(dest_block_ids, segments))
         receives = [asyncio.ensure_future(ep.recv(rest))]  # posted at once: the exporter sends them back to back
-        receives += [asyncio.ensure_future(ep.recv(_span(self.pool, first, count))) for first, count in pieces]
+        receives += [asyncio.ensure_future(ep.recv(span(self.pool, first, count))) for first, count in pieces]
         try:
             await self._step(receives[0], "receive the KV header", peer)
             header = wire.decode_header(prefix + rest, self.layout.layout_hash, self.pool.block_nbytes,
@@ -345,40 +314,3 @@ class UCXTransport(KVTransport):
         self._exports.clear()
         self._serving.clear()
         ucx_context.release(self)
-
-
-def _span(pool: KVPoolIO, first: int, count: int) -> Any:
-    """`count` consecutive pool blocks as one byte buffer aliasing the pool (numpy on host, CUDA tensor)."""
-    pool.block_tensor(first + count - 1)
-    flat = pool.kv_pool.narrow(0, first, count).reshape(-1).view(torch.uint8)  # [count * block_nbytes]
-    return flat.numpy() if pool.is_host else flat
-
-
-def _segments(src: tuple[int, ...], dst: list[int]) -> list[tuple[int, int]]:
-    """(start index, length) of the maximal runs consecutive in both block id lists."""
-    segments: list[tuple[int, int]] = []
-    for i in range(len(src)):
-        if segments and src[i] == src[i - 1] + 1 and dst[i] == dst[i - 1] + 1:
-            start, count = segments[-1]
-            segments[-1] = (start, count + 1)
-        else:
-            segments.append((i, 1))
-    return segments
-
-
-def _dest_runs(dst: list[int], segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    return [(dst[start], count) for start, count in segments]
-
-
-def _runs_of(block_ids: tuple[int, ...], lengths: list[int]) -> list[tuple[int, int]] | None:
-    """(first block id, count) per requested segment, or None if a segment is not consecutive here."""
-    if any(n <= 0 for n in lengths) or sum(lengths) != len(block_ids):
-        return None
-    runs, start = [], 0
-    for n in lengths:
-        chunk = block_ids[start : start + n]
-        if any(b != chunk[0] + k for k, b in enumerate(chunk)):
-            return None
-        runs.append((chunk[0], n))
-        start += n
-    return runs
