@@ -245,9 +245,9 @@ class UCXTransport(KVTransport):
         lease = params.lease_id
         request = _REQUEST.pack(b"PDKQ", _VERSION, 0, lease.encode("ascii"), len(dest_block_ids), len(segments))
         lengths = struct.pack(f"<{len(segments)}I", *(count for _, count in segments))
-        await self._step(all_of([ep.send(request), ep.send(lengths)]), "send the pull request", peer)
         status_buf = bytearray(_STATUS.size + _WIRE_PREFIX)
-        await self._step(ep.recv(status_buf), "receive the status", peer)
+        await self._step(all_of([ep.send(request), ep.send(lengths), ep.recv(status_buf)]),
+                         "send the pull request and receive the status", peer)
         magic, version, status, detail_nbytes = _STATUS.unpack_from(status_buf)
         if magic != b"PDKS" or version != _VERSION:
             raise KVTransferError(f"{peer} is not a pdserve KV exporter (magic {bytes(magic)!r}, version {version})")
