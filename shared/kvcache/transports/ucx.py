@@ -24,7 +24,6 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-
 from pdserve.kvcache import wire
 from pdserve.kvcache.layout import KVLayout, LayoutMismatch
 from pdserve.kvcache.params import HandoffParams

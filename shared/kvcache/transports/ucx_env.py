@@ -126,13 +126,21 @@ ucx_context = _Context()
 
 def create_listener(ucxx: Any, handler: Any, port: int, endpoint_error_handling: bool) -> Any:
     """ucxx.create_listener, except that the accepted endpoints really get `endpoint_error_handling`:
-    ucxx 0.45-0.52 creates them inside the C++ listener with error handling always on, so a client
+    ucxx 0.52 creates them inside the C++ listener with error handling always on, so a client
     without it is refused ("error handling level mismatch"). Off, we accept the connection request
-    ourselves and create the endpoint with the flag, then hand it to ucxx's usual handshake."""
+    ourselves and create the endpoint with the flag, then hand it to ucxx's usual handshake (ucxx
+    internals, checked against 0.52)."""
     if endpoint_error_handling:
         return ucxx.create_listener(handler, port=port)
     import ucxx._lib.libucxx as ucx_api
     from ucxx._lib_async import listener as ucxx_listener
+
+    needed = ("_ListenerHandlerTracker", "_listener_handler", "Listener")
+    if not all(hasattr(ucxx_listener, name) for name in needed) or not hasattr(
+        ucx_api.UCXListener, "create_endpoint_from_conn_request"
+    ):
+        raise KVTransferError(f"endpoint_error_handling=False needs ucxx 0.52's listener internals "
+                              f"(this is ucxx {getattr(ucxx, '__version__', '?')})")
 
     ctx = ucxx.core._get_ctx()
     ctx.continuous_ucx_progress()
