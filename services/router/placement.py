@@ -7,7 +7,6 @@ no torch: the router builds the snapshots and owns the policy object (round-robi
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdserve.latency_model import LatencyProfile
+from pdserve.registry import load
 from pdserve.services.router.policy import decide
 
 
@@ -231,11 +231,7 @@ POLICIES: dict[str, str] = {
 
 
 def policy_class(name: str) -> type[PlacementPolicy]:
-    try:
-        module, _, attr = POLICIES[name].partition(":")
-    except KeyError:
-        raise ValueError(f"unknown placement policy {name!r}; known: {sorted(POLICIES)}") from None
-    return getattr(importlib.import_module(module), attr)
+    return load(POLICIES, name, "placement policy")
 
 
 def create_policy(config: PlacementConfig, profile: LatencyProfile | None = None) -> PlacementPolicy:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pdserve.kvcache.transports.base import KVTransferError, KVTransport, ReleaseFn
+from pdserve.registry import load
 
 TRANSPORTS: dict[str, str] = {
     "local": "pdserve.kvcache.transports.local:LocalTransport",
@@ -12,13 +13,7 @@ TRANSPORTS: dict[str, str] = {
 
 
 def transport_class(name: str) -> type[KVTransport]:
-    import importlib
-
-    try:
-        module, _, attr = TRANSPORTS[name].partition(":")
-    except KeyError:
-        raise ValueError(f"unknown KV transport {name!r}; known: {sorted(TRANSPORTS)}") from None
-    return getattr(importlib.import_module(module), attr)
+    return load(TRANSPORTS, name, "KV transport")
 
 
 def create_transport(name: str, *args, **kwargs) -> KVTransport:
