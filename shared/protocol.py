@@ -6,19 +6,31 @@ these before anything reaches an engine, so bad input never allocates KV.
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams
 
 MAX_N = 16
 MAX_STOP = 8
+MAX_PROMPTS = 64  # prompts in one completions request (the router also bounds prompts x n)
+MAX_LOGIT_BIAS = 300  # entries in logit_bias
+
+
+def unsupported(what: str, detail: str = "") -> PydanticCustomError:
+    """A 400 whose param is the field validated and whose code is `unsupported_parameter`."""
+    message = f"{what} is not supported by this server" + (f": {detail}" if detail else "")
+    return PydanticCustomError("unsupported", message)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # other keys (include_obfuscation, ...) are accepted and ignored, as OpenAI-compatible servers do
+    model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk (vLLM extension; guidellm sends it)
 
 
 class SLOOverride(BaseModel):
@@ -53,6 +65,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = Field(None, max_length=64)
+    # token id (a decimal string, as OpenAI's JSON keys are) -> bias added to its logit
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # pdserve extensions: per-request SLOs and priority class (also as X-SLO-TTFT-Ms, X-SLO-TPOT-Ms,
     # X-Priority headers)
     slo: SLOOverride | None = None
@@ -71,6 +85,18 @@ class _SamplingFields(BaseModel):
     def _check_stop_ids(cls, value):
         if value and any(t < 0 for t in value):
             raise ValueError("stop_token_ids must be non-negative")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value):
+        for key, bias in (value or {}).items():
+            if not key.isdecimal():
+                raise PydanticCustomError("logit_bias", "logit_bias keys must be token ids (decimal strings), "
+                                          "got '{key}'", {"key": key[:32]})
+            if not (math.isfinite(bias) and -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
+                raise PydanticCustomError("logit_bias", "logit_bias values must be in [-100, 100], got {bias} "
+                                          "for token {key}", {"bias": bias, "key": key})
         return value
 
     @model_validator(mode="after")
@@ -94,23 +120,71 @@ class _SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=stops,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=num_logprobs,
+            logit_bias=self.logit_bias_ids,
         )
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+
+Prompt = str | list[int] | list[str] | list[list[int]]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] = Field(...)
+    prompt: Prompt = Field(..., description="a string, token ids, or a batch of either (choice index = "
+                           "prompt index * n + j)")
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
-    suffix: None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="wrap")
     @classmethod
-    def _check_prompt(cls, value):
-        if (isinstance(value, str) and not value) or (isinstance(value, list) and not value):
-            raise ValueError("prompt must not be empty")
-        if isinstance(value, list) and any(t < 0 for t in value):
-            raise ValueError("prompt token ids must be non-negative")
+    def _check_prompt(cls, value, handler):
+        try:
+            value = handler(value)
+        except ValueError:
+            raise PydanticCustomError(
+                "prompt", "prompt must be a string, a list of token ids, a list of strings or a list of "
+                "token-id lists") from None
+        prompts = value if isinstance(value, list) and value and not isinstance(value[0], int) else [value]
+        if not value or any(not p for p in prompts):
+            raise PydanticCustomError("prompt", "prompt must not be empty (nor any prompt in a batch)")
+        if len(prompts) > MAX_PROMPTS:
+            raise PydanticCustomError("prompt", "at most {max} prompts per request, got {num}",
+                                      {"max": MAX_PROMPTS, "num": len(prompts)})
+        if any(isinstance(p, list) and any(t < 0 for t in p) for p in prompts):
+            raise PydanticCustomError("prompt", "prompt token ids must be non-negative")
         return value
+
+    @field_validator("echo")
+    @classmethod
+    def _check_echo(cls, value, info: ValidationInfo):
+        if value and info.data.get("logprobs") is not None:
+            raise unsupported("echo with logprobs", "prompt logprobs are not implemented (echo alone is)")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _refuse_suffix(cls, value):
+        if value:
+            raise unsupported("suffix")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, value, info: ValidationInfo):
+        n = info.data.get("n", 1)
+        if value is not None and value != n:
+            raise unsupported("best_of", f"only best_of equal to n ({n}) is accepted, got {value}")
+        return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: a single prompt is a batch of one."""
+        p = self.prompt
+        return p if isinstance(p, list) and not isinstance(p[0], int) else [p]
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return self.sampling_params(default_max_tokens, self.logprobs)
@@ -127,6 +201,31 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # accepted so that clients sending their defaults work; anything that asks for them is refused
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _refuse_tools(cls, value):
+        if value:
+            raise unsupported("tools", "tool calling is not implemented")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _refuse_tool_choice(cls, value):
+        if value is not None and value != "none":
+            raise unsupported("tool_choice", "tool calling is not implemented")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, value):
+        if value is not None and value != {"type": "text"}:
+            raise unsupported("response_format", 'only type "text" is accepted')
+        return value
 
     @model_validator(mode="after")
     def _check_top_logprobs(self):

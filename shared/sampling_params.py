@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs; 0 = sampled token only
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # (token id, bias added to its logit), sorted by token id; a mapping is accepted and normalized
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -31,6 +37,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         checks = [
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
@@ -44,6 +52,9 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
+            (all(t >= 0 and math.isfinite(b) and abs(b) <= MAX_ABS_LOGIT_BIAS for t, b in self.logit_bias),
+             "logit_bias: token ids must be >= 0 and biases in [-100, 100]"),
+            (len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias: a token id appears twice"),
         ]
         for ok, message in checks:
             if not ok:

@@ -19,8 +19,11 @@ from starlette.requests import Request
 
 @dataclass(frozen=True)
 class Prepared:
+    """An admitted request: `prompts` (token ids, one entry per prompt) with `n` choices each; choice
+    `c` is choice `c % n` of prompt `c // n` (OpenAI's prompt-major order)."""
+
     chat: bool
-    prompt_token_ids: list[int]
+    prompts: tuple[tuple[int, ...], ...]
     params: SamplingParams
     n: int
     stream: bool
@@ -29,12 +32,35 @@ class Prepared:
     ttft_slo_s: float
     tpot_slo_s: float
     priority: str  # "interactive" | "batch"
+    continuous_usage: bool = False  # usage on every stream chunk
+    echo_texts: tuple[str, ...] = ()  # one per prompt when echo is on: prepended to each choice's text
 
-    def params_for(self, index: int) -> SamplingParams:
-        """Choice `index` samples with seed + index, so n choices differ yet stay reproducible."""
-        if self.params.seed is None or index == 0:
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        """The first prompt (the whole request when it has one prompt, as chat and gRPC always do)."""
+        return self.prompts[0]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompts)
+
+    def prompt_of(self, choice: int) -> int:
+        return choice // self.n
+
+    def echo_of(self, choice: int) -> str:
+        return self.echo_texts[choice // self.n] if self.echo_texts else ""
+
+    def params_for(self, choice: int) -> SamplingParams:
+        """Choice j of a prompt samples with seed + j, so n choices differ yet stay reproducible, and a
+        prompt in a batch samples as it would alone."""
+        j = choice % self.n
+        if self.params.seed is None or j == 0:
             return self.params
-        return dataclasses.replace(self.params, seed=(self.params.seed + index) % 2**63)
+        return dataclasses.replace(self.params, seed=(self.params.seed + j) % 2**63)
 
 
 def check_auth(request: Request, keys: tuple[str, ...]) -> None:
@@ -91,28 +117,40 @@ def prepare(
         raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                        f"'{config.served_model_name}'", param="model", code="model_not_found",
                        reason="unknown_model")
-    prompt_ids = _tokenize(req, tokenizer, vocab_size)
-    if not prompt_ids:
-        raise bad_request("the prompt is empty after tokenization", param="prompt")
+    num_prompts = 1 if chat else len(req.prompts)
+    if num_prompts * req.n > config.max_choices_per_request:
+        raise bad_request(f"{num_prompts} prompts x n={req.n} is {num_prompts * req.n} choices, more than the "
+                          f"{config.max_choices_per_request} allowed per request", param="prompt",
+                          reason="too_many_choices")
+    prompts = _tokenize(req, tokenizer, vocab_size)
+    bad_bias = [t for t in req.logit_bias_ids if t >= vocab_size]
+    if bad_bias:
+        raise bad_request(f"logit_bias token id {bad_bias[0]} is out of the vocabulary (size {vocab_size})",
+                          param="logit_bias", reason="token_out_of_vocab")
+    longest = max(len(ids) for ids in prompts)
     requested = req.requested_max_tokens
-    max_tokens = requested if requested is not None else min(
-        config.default_max_tokens, config.max_model_len - len(prompt_ids))
-    if max_tokens < 1 or len(prompt_ids) + max_tokens > config.max_model_len:
+    max_tokens = requested if requested is not None else min(config.default_max_tokens, config.max_model_len - longest)
+    if max_tokens < 1 or longest + max_tokens > config.max_model_len:
         raise bad_request(
             f"This model's maximum context length is {config.max_model_len} tokens; the prompt has "
-            f"{len(prompt_ids)} tokens and max_tokens is {max_tokens} ({len(prompt_ids) + max_tokens} in all)",
+            f"{longest} tokens and max_tokens is {max_tokens} ({longest + max_tokens} in all)",
             param="max_tokens", reason="context_length",
         )
     try:
         params = dataclasses.replace(req.to_sampling_params(config.default_max_tokens), max_tokens=max_tokens)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    options = req.stream_options
+    echo_texts = ()
+    if not chat and req.echo:
+        echo_texts = tuple(p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
+                           for p in req.prompts)
     slo = req.slo
     ttft_s = slo.ttft_ms / 1e3 if slo and slo.ttft_ms else config.slo_ttft_s
     tpot_s = slo.tpot_ms / 1e3 if slo and slo.tpot_ms else config.slo_tpot_s
-    return Prepared(chat, prompt_ids, params, req.n, req.stream, include_usage, params.logprobs is not None,
-                    ttft_s, tpot_s, req.priority or "interactive")
+    return Prepared(chat, prompts, params, req.n, req.stream, bool(options and options.include_usage),
+                    params.logprobs is not None, ttft_s, tpot_s, req.priority or "interactive",
+                    continuous_usage=bool(options and options.continuous_usage_stats), echo_texts=echo_texts)
 
 
 SLO_HEADERS = {"x-slo-ttft-ms": "ttft_ms", "x-slo-tpot-ms": "tpot_ms"}
@@ -136,18 +174,32 @@ def merge_slo_headers(data: dict[str, Any], headers) -> dict[str, Any]:
     return data
 
 
-def _tokenize(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+def _tokenize(
+    req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer, vocab_size: int
+) -> tuple[tuple[int, ...], ...]:
     if isinstance(req, ChatCompletionRequest):
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
-    if isinstance(req.prompt, str):
-        return tokenizer.encode(req.prompt)
-    bad = [t for t in req.prompt if t >= vocab_size]
-    if bad:
-        raise bad_request(f"prompt token id {bad[0]} is out of the vocabulary (size {vocab_size})",
-                          param="prompt", reason="token_out_of_vocab")
-    return list(req.prompt)
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise bad_request("the prompt is empty after tokenization", param="messages")
+        return (ids,)
+    batch = len(req.prompts) > 1
+    out = []
+    for i, prompt in enumerate(req.prompts):
+        where = f"prompt {i}" if batch else "the prompt"
+        if isinstance(prompt, str):
+            ids = tuple(tokenizer.encode(prompt))
+        else:
+            bad = [t for t in prompt if t >= vocab_size]
+            if bad:
+                raise bad_request(f"{where}: token id {bad[0]} is out of the vocabulary (size {vocab_size})",
+                                  param="prompt", reason="token_out_of_vocab")
+            ids = tuple(prompt)
+        if not ids:
+            raise bad_request(f"{where} is empty after tokenization", param="prompt")
+        out.append(ids)
+    return tuple(out)

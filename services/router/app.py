@@ -33,6 +33,7 @@ from opentelemetry.trace import SpanKind
 from pdserve import trace_attributes as ta
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.services.router.metrics import APIMetrics
+from pdserve.services.router.openapi_schema import install_openapi
 from pdserve.slo import SloWindow
 from pdserve.telemetry import Telemetry
 from pdserve.services.router.placement import Placement, PlacementConfig, PlacementRequest, Rejection
@@ -65,8 +66,9 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send)
 
 
-fastapi_app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
+fastapi_app = FastAPI(title="pdserve router", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
 fastapi_app.add_middleware(RequestIdMiddleware)
+install_openapi(fastapi_app)
 
 
 @fastapi_app.exception_handler(StarletteHTTPException)
@@ -188,11 +190,11 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
             return StreamingResponse(sse_stream(meta, prepared, events, self.tokenizer),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            choices = [oa.Choice(i) for i in range(prepared.n)]
+            choices = [oa.Choice(i, prepared.echo_of(i)) for i in range(prepared.num_choices)]
             async for index, event in events:
                 choices[index].add(event)
-            return JSONResponse(oa.response_body(meta, choices, len(prepared.prompt_token_ids), self.tokenizer,
-                                                 prepared.want_logprobs))
+            return JSONResponse(oa.response_body(meta, choices, prepared.num_prompt_tokens, self.tokenizer,
+                                                 prepared.want_logprobs, prepared.n))
         except Exception as exc:
             err = upstream_error(exc, self.config.retry_after_s)
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -214,14 +216,14 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         tracing = self.telemetry.tracing
         span = tracing.start_span(ta.request_span_name(ta.operation_name(chat), meta.model), context=parent,
                                   kind=SpanKind.SERVER, attributes=self._request_attributes(prepared, meta, request_id))
-        num_prompt_tokens = len(prepared.prompt_token_ids)
         with tracing.span(ta.SPAN_ROUTE, context=trace.set_span_in_context(span)) as route:
             try:
-                placement = self._place(prepared)
+                placements = [self._place(prepared, ids) for ids in prepared.prompts]
             except APIError as err:
                 span.set_status(trace.StatusCode.ERROR, err.message)
                 span.end()
                 raise
+            placement = placements[0]  # the first prompt's describes the span
             attributes = {ta.DISAGGREGATE: placement.disaggregate, ta.DECISION_REASON: placement.reason,
                           "pdserve.placement.policy": self.placer.policy_name}
             if placement.prefill_replica:
@@ -231,17 +233,19 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
             span.set_attributes(attributes)
             if route.is_recording():
                 route.set_attributes({**attributes, **prediction_attributes(placement)})
-        self.metrics.count_decision("disaggregate" if placement.disaggregate else "skip", placement.reason, prepared.n)
-        self.metrics.add_prompt_tokens(num_prompt_tokens * prepared.n)
-        return prepared, meta, self._merged(request_id, prepared, placement, span, meta)
+        for placement in placements:
+            self.metrics.count_decision("disaggregate" if placement.disaggregate else "skip", placement.reason,
+                                        prepared.n)
+        self.metrics.add_prompt_tokens(prepared.num_prompt_tokens * prepared.n)
+        return prepared, meta, self._merged(request_id, prepared, placements, span, meta)
 
-    def _place(self, p: Prepared) -> Placement:
-        """The policy's placement over live replica stats; until stats arrive, the prompt-length rule
-        and Serve's own replica choice. No placement within the SLOs (admission: reject) is a 429."""
+    def _place(self, p: Prepared, prompt_ids: tuple[int, ...]) -> Placement:
+        """One prompt's placement by the policy over live replica stats; until stats arrive, the
+        prompt-length rule and Serve's own replica choice. No placement within the SLOs (admission:
+        reject) is a 429."""
         self.placer.start()
-        request = PlacementRequest(len(p.prompt_token_ids), p.params.max_tokens, p.ttft_slo_s, p.tpot_slo_s,
-                                   p.priority)
-        result = self.placer.place(request, p.prompt_token_ids)
+        request = PlacementRequest(len(prompt_ids), p.params.max_tokens, p.ttft_slo_s, p.tpot_slo_s, p.priority)
+        result = self.placer.place(request, prompt_ids)
         if result is None:  # no decode stats yet
             split = decide(self.config.mode, request.num_prompt_tokens, self.config.disaggregate_min_prompt_tokens,
                            self.prefill is not None)
@@ -258,7 +262,7 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
             return {}
         return ta.request_attributes(
             ta.operation_name(p.chat), meta.model, max_tokens=p.params.max_tokens, temperature=p.params.temperature,
-            top_p=p.params.top_p, top_k=p.params.top_k, seed=p.params.seed, stream=p.stream, choice_count=p.n,
+            top_p=p.params.top_p, top_k=p.params.top_k, seed=p.params.seed, stream=p.stream, choice_count=p.num_choices,
             request_id=request_id)
 
     def _reject(self, err: APIError, endpoint: str) -> JSONResponse:

@@ -25,6 +25,8 @@ class RouterConfig(BaseModel):
     api_keys: tuple[str, ...] = ()
     api_keys_file: str | None = None  # one key per line; blank lines and '#' comments are skipped
     max_inflight: int = Field(256, ge=1)
+    # a completions request runs (number of prompts) x n sequences; more than this is a 400
+    max_choices_per_request: int = Field(64, ge=1)
     retry_after_s: int = Field(1, ge=0)
     health_timeout_s: float = Field(5.0, gt=0)
     # Default SLOs (a request may set its own): placement targets them, and the pdserve_slo_attainment

@@ -1,5 +1,6 @@
-"""How the router runs one admitted request: n choices, each a prefill call and a decode stream (or a
-decode stream alone), on the replicas placement chose; closing the stream aborts everywhere."""
+"""How the router runs one admitted request: n choices per prompt, each a prefill call and a decode stream
+(or a decode stream alone), on the replicas placement chose for its prompt; closing the stream aborts
+everywhere."""
 
 import asyncio
 import time
@@ -19,19 +20,19 @@ class DispatchMixin:
     _enter/_exit and _background."""
 
     async def _merged(
-        self, request_id: str, p: Prepared, placement: Placement, span, meta: oa.ResponseMeta
+        self, request_id: str, p: Prepared, placements: list[Placement], span, meta: oa.ResponseMeta
     ) -> AsyncIterator[tuple[int, dict]]:
-        """(choice index, event) from n sub-requests; closing it cancels them all (engines abort, KV frees).
+        """(choice index, event) from the request's choices (placements: one per prompt); closing it cancels them all (engines abort, KV frees).
         Ends the request's span and records its TTFT/TPOT/E2E and SLO outcome (not for client aborts)."""
         start = time.monotonic()
         ttft = None
-        num_tokens = [0] * p.n
+        num_tokens = [0] * p.num_choices
         finish_reasons: list[str] = []
         outcome = None  # True: finished, False: failed; None: the client went away
         carrier = self.telemetry.tracing.inject(span)
         self._enter()  # here, not at admission: a stream closed before its first step never ran this body
         try:
-            async for index, event in self._choices(request_id, p, placement, carrier):
+            async for index, event in self._choices(request_id, p, placements, carrier):
                 count = len(event.get("token_ids") or ())
                 if ttft is None and count:
                     ttft = time.monotonic() - start
@@ -55,15 +56,15 @@ class DispatchMixin:
                                             output_tokens=max(num_tokens))
             if span.is_recording():
                 span.set_attributes(ta.response_attributes(
-                    response_id=meta.id, model=meta.model, input_tokens=len(p.prompt_token_ids),
+                    response_id=meta.id, model=meta.model, input_tokens=p.num_prompt_tokens,
                     output_tokens=total, finish_reasons=finish_reasons or ["abort"]))
             span.end()
 
     async def _choices(
-        self, request_id: str, p: Prepared, placement: Placement, carrier: dict[str, str]
+        self, request_id: str, p: Prepared, placements: list[Placement], carrier: dict[str, str]
     ) -> AsyncIterator[tuple[int, dict]]:
-        if p.n == 1:
-            async with aclosing(self._run_one(request_id, p.prompt_token_ids, p.params, placement, carrier)) as one:
+        if p.num_choices == 1:
+            async with aclosing(self._run_one(request_id, p.prompts[0], p.params, placements[0], carrier)) as one:
                 async for event in one:
                     yield 0, event
             return
@@ -71,7 +72,8 @@ class DispatchMixin:
 
         async def pump(i: int) -> None:
             try:
-                one = self._run_one(f"{request_id}-{i}", p.prompt_token_ids, p.params_for(i), placement, carrier)
+                k = p.prompt_of(i)
+                one = self._run_one(f"{request_id}-{i}", p.prompts[k], p.params_for(i), placements[k], carrier)
                 async with aclosing(one):
                     async for event in one:
                         queue.put_nowait((i, event))
@@ -79,9 +81,9 @@ class DispatchMixin:
             except Exception as exc:
                 queue.put_nowait((i, exc))
 
-        tasks = [asyncio.create_task(pump(i)) for i in range(p.n)]
+        tasks = [asyncio.create_task(pump(i)) for i in range(p.num_choices)]
         try:
-            remaining = p.n
+            remaining = p.num_choices
             while remaining:
                 i, event = await queue.get()
                 if event is None:
@@ -96,10 +98,10 @@ class DispatchMixin:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run_one(
-        self, request_id: str, prompt_ids: list[int], params, placement: Placement, carrier: dict[str, str]
+        self, request_id: str, prompt_ids: tuple[int, ...], params, placement: Placement, carrier: dict[str, str]
     ) -> AsyncIterator[dict[str, Any]]:
         """`request["replica"]` names the replica placement chose (PlacementRequestRouter honours it)."""
-        request = {"request_id": request_id, "prompt_token_ids": prompt_ids, "params": params_to_dict(params),
+        request = {"request_id": request_id, "prompt_token_ids": list(prompt_ids), "params": params_to_dict(params),
                    "trace": carrier, "priority": placement.priority,
                    "max_prefill_chunk": placement.prefill_chunk_tokens}
         disaggregate = placement.disaggregate
@@ -110,7 +112,8 @@ class DispatchMixin:
                 first = await self.prefill.prefill.remote({**request, "replica": placement.prefill_replica})
                 handoff, first_token_id = first["handoff"], first["first_token_id"]
                 first_token = {"token_ids": [first_token_id], "text": first["text"], "finished": False,
-                               "logprobs": first["logprobs"], "top_logprobs": first["top_logprobs"]}
+                               "logprobs": first["logprobs"], "top_logprobs": first["top_logprobs"],
+                               "num_cached_tokens": first.get("num_cached_tokens") or 0}
                 if first["finish_reason"] is not None or handoff is None:
                     finished = handoff is None
                     yield {**first_token, "finished": True, "finish_reason": first["finish_reason"]}

@@ -37,6 +37,8 @@ def from_validation_error(exc: ValidationError) -> APIError:
     first = exc.errors()[0]
     param = ".".join(str(p) for p in first.get("loc", ())) or None
     message = first.get("msg", "invalid request")
+    if first.get("type") == "unsupported":  # the message names the field already
+        return APIError(400, message, param=param, code="unsupported_parameter", reason="unsupported_parameter")
     if param:
         message = f"{param}: {message}"
     return APIError(400, message, param=param, code="invalid_value", reason="invalid_request")

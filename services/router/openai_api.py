@@ -20,11 +20,18 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
+
+
+def cached_tokens(per_choice: list[int | None], n: int) -> int:
+    """Prompt tokens served from the prefix cache, counted once per prompt as prompt_tokens are: each
+    prompt's fewest over its n choices (a choice not started yet counts 0)."""
+    return sum(min(c or 0 for c in per_choice[i : i + n]) for i in range(0, len(per_choice), n))
 
 
 @dataclass
@@ -35,8 +42,11 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    num_cached_tokens: int | None = None  # from the choice's first event (prefill's, when disaggregated)
 
     def add(self, event: dict[str, Any]) -> None:
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = event.get("num_cached_tokens") or 0
         self.text += event.get("text") or ""
         self.token_ids.extend(event.get("token_ids") or ())
         self.logprobs.extend(event.get("logprobs") or ())
@@ -104,8 +114,10 @@ def chat_logprobs(
 
 
 def response_body(
-    meta: ResponseMeta, choices: list[Choice], num_prompt_tokens: int, tokenizer: Tokenizer, want_logprobs: bool
+    meta: ResponseMeta, choices: list[Choice], num_prompt_tokens: int, tokenizer: Tokenizer, want_logprobs: bool,
+    n: int = 1,
 ) -> dict[str, Any]:
+    """`choices` in index order, `n` per prompt; `num_prompt_tokens` sums over the prompts."""
     out = []
     for c in choices:
         lp = None
@@ -119,12 +131,13 @@ def response_body(
             out.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
     return {
         "id": meta.id, "object": meta.object, "created": meta.created, "model": meta.model, "choices": out,
-        "usage": usage(num_prompt_tokens, sum(len(c.token_ids) for c in choices)),
+        "usage": usage(num_prompt_tokens, sum(len(c.token_ids) for c in choices),
+                       cached_tokens([c.num_cached_tokens for c in choices], n)),
     }
 
 
 def chunk(
-    meta: ResponseMeta, choices: list[dict[str, Any]], include_usage: bool, usage_obj: dict[str, int] | None = None
+    meta: ResponseMeta, choices: list[dict[str, Any]], include_usage: bool, usage_obj: dict[str, Any] | None = None
 ) -> bytes:
     body: dict[str, Any] = {
         "id": meta.id, "object": meta.chunk_object, "created": meta.created, "model": meta.model, "choices": choices,

@@ -59,18 +59,26 @@ async def prepend(first: Event | None, events: AsyncIterator[Event]) -> AsyncIte
 async def sse_stream(
     meta: oa.ResponseMeta, p: Prepared, events: AsyncIterator[Event], tokenizer: Tokenizer
 ) -> AsyncIterator[bytes]:
-    started = [False] * p.n
-    offsets = [0] * p.n
+    """Echoed prompt text leads each choice's first chunk; with continuous usage every chunk carries the
+    usage so far, and with include_usage a last chunk carries the total."""
+    started = [False] * p.num_choices
+    offsets = [0] * p.num_choices
+    cached: list[int | None] = [None] * p.num_choices
     num_tokens = 0
     try:
         async for index, event in events:
             num_tokens += len(event.get("token_ids") or ())
+            if cached[index] is None:
+                cached[index] = event.get("num_cached_tokens") or 0
+            if not started[index] and p.echo_texts:
+                event = {**event, "text": p.echo_of(index) + (event.get("text") or "")}
             part = oa.choice_chunk(meta, index, event, tokenizer, p.want_logprobs, offsets[index], not started[index])
             started[index] = True
             offsets[index] += len(event.get("text") or "")
-            yield oa.chunk(meta, [part], p.include_usage)
+            so_far = oa.usage(p.num_prompt_tokens, num_tokens, oa.cached_tokens(cached, p.n)) if p.continuous_usage else None
+            yield oa.chunk(meta, [part], p.continuous_usage, so_far)
         if p.include_usage:
-            yield oa.chunk(meta, [], True, oa.usage(len(p.prompt_token_ids), num_tokens))
+            yield oa.chunk(meta, [], True, oa.usage(p.num_prompt_tokens, num_tokens, oa.cached_tokens(cached, p.n)))
     except Exception as exc:  # the 200 went out already: the error travels in the stream
         yield oa.sse(upstream_error(exc, 0).body())
     finally:

@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, min_tokens masking, temperature, top-k, top-p, min-p, logprobs.
+"""Batched sampling: penalties, logit bias, min_tokens masking, temperature, top-k, top-p, min-p, logprobs.
 
 Randomness uses the exponential-race trick (argmax of p / E with E ~ Exp(1)); each seeded
 request draws its noise from its own generator, so its tokens do not depend on the batch.
@@ -50,6 +50,21 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits - presence * (counts > 0) - frequency * counts
 
 
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    # logits: [N, V] -> biased copy; ids past the vocabulary are ignored (admission refuses them)
+    rows, cols, values = [], [], []
+    for i, seq in enumerate(seqs):
+        for token_id, bias in seq.params.logit_bias:
+            if token_id < logits.shape[1]:
+                rows.append(i)
+                cols.append(token_id)
+                values.append(bias)
+    logits = logits.clone()
+    if rows:
+        logits[rows, cols] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    return logits
+
+
 def mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     for i, seq in enumerate(seqs):
         if seq.num_output_tokens < seq.params.min_tokens:
@@ -90,6 +105,8 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, seqs)
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, seqs)
         if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
             logits = logits.clone()
             mask_stop_tokens(logits, seqs)

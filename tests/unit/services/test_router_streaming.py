@@ -40,7 +40,7 @@ class Events:
 
 
 def _prepared(include_usage=False):
-    return Prepared(False, [1, 2, 3], SamplingParams(max_tokens=4), 1, True, include_usage, False, 2.0, 0.2, "interactive")
+    return Prepared(False, ((1, 2, 3),), SamplingParams(max_tokens=4), 1, True, include_usage, False, 2.0, 0.2, "interactive")
 
 
 def _event(text, finished=False):
@@ -69,7 +69,8 @@ def test_usage_chunk_counts_tokens():
     meta = oa.ResponseMeta("cmpl-2", "tiny", False)
     parts = asyncio.run(_collect(sse_stream(meta, _prepared(include_usage=True), events, ByteTokenizer())))
     usage = json.loads(parts[-2][6:])["usage"]
-    assert usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                     "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_backpressure_before_first_event_is_503_with_retry_after_and_closes_stream():
