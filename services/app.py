@@ -33,6 +33,14 @@ class SystemConfig(BaseModel):
         with open(path) as f:
             return cls.model_validate(yaml.safe_load(f) or {})
 
+    @property
+    def served_model_name(self) -> str:
+        """The name clients send as `model`: an alias as given, a checkpoint by its file or folder name."""
+        path = Path(self.model)
+        if len(path.parts) == 1 and path.suffix != ".gguf":
+            return self.model
+        return path.stem if path.suffix == ".gguf" else path.name
+
     def worker(self, role: Literal["prefill", "decode"]) -> WorkerConfig:
         base: dict[str, Any] = {"model": self.model, "transport": self.transport, "tracing_env": self.tracing_env}
         if self.redis_url:
@@ -54,7 +62,6 @@ def build_system(config: SystemConfig) -> Application:
 
     decode = build_decode(config.worker("decode"))
     prefill = build_prefill(config.worker("prefill")) if config.mode == "disaggregated" else None
-    served = config.model if config.model == "tiny" else Path(config.model).name
-    router = {"model": config.model, "served_model_name": served, "mode": config.mode,
+    router = {"model": config.model, "served_model_name": config.served_model_name, "mode": config.mode,
               "tracing_env": config.tracing_env, **config.router}
     return build_router(router, prefill, decode)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import threading
 from pathlib import Path
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
 
 def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve serve", description="run pdserve on a local Ray instance")
     p.add_argument("--config", help="YAML file with a SystemConfig (flags below override it)")
-    p.add_argument("--model", help="'tiny' (embedded) or a Hugging Face checkpoint directory")
+    p.add_argument("--model", help=f"{DEFAULT_MODEL!r} (default), 'tiny' (random weights, for tests), a .gguf "
+                   "file or a Hugging Face checkpoint directory")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
     p.add_argument("--transport", choices=["ucx", "redis"])
     p.add_argument("--redis-url", help="use this Redis; default: start a local one if a server binary exists")
@@ -24,17 +28,19 @@ def _serve_parser() -> argparse.ArgumentParser:
                    help="gRPC API port; Serve's gRPC proxy listens on every interface (0: no gRPC API)")
     p.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
     p.add_argument("--api-key-file", help="require a Bearer key listed in this file (one per line)")
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray instance")
+    p.add_argument("--num-cpus", type=int, default=None,
+                   help="CPUs for the local Ray instance (default: all); router, prefill and decode share them")
     return p
 
 
 def _config(args: argparse.Namespace, redis_url: str | None):
     from pdserve.services.app import SystemConfig
 
-    base = SystemConfig.from_yaml(args.config).model_dump() if args.config else {}
+    base = SystemConfig.from_yaml(args.config).model_dump(exclude_unset=True) if args.config else {}
     for key in ("model", "mode", "transport"):
         if getattr(args, key):
             base[key] = getattr(args, key)
+    base.setdefault("model", DEFAULT_MODEL)
     if redis_url:
         base["redis_url"] = redis_url
     for role, count in (("prefill", args.prefill_replicas), ("decode", args.decode_replicas)):
@@ -47,52 +53,97 @@ def _config(args: argparse.Namespace, redis_url: str | None):
     return SystemConfig.model_validate(base)
 
 
-def serve_main(argv: list[str]) -> int:
-    import ray
+def _wait_running(names: list[str], stop: threading.Event, poll_s: float = 0.5) -> bool:
+    """Until every Serve app in `names` runs (True) or `stop` is set (False); a failed deploy raises."""
     from ray import serve
-    from ray.serve.config import gRPCOptions
 
-    from pdserve.redis_server import RedisServer, find_server_binary
-    from pdserve.services.app import build_system
-    from pdserve.services.kvstore.app import build_app as build_kvstore
-    from pdserve.v1 import SERVICER_FUNCTION
+    while not stop.is_set():
+        apps = serve.status().applications
+        states = {name: apps[name] for name in names if name in apps}
+        failed = [f"{n}: {a.message}" for n, a in states.items() if a.status == "DEPLOY_FAILED"]
+        if failed:
+            raise RuntimeError("deployment failed: " + "; ".join(failed))
+        if len(states) == len(names) and all(a.status == "RUNNING" for a in states.values()):
+            return True
+        stop.wait(poll_s)
+    return False
 
+
+def serve_main(argv: list[str]) -> int:
     args = _serve_parser().parse_args(argv)
-    stop = threading.Event()  # set by Ctrl-C or SIGTERM, also during startup: then we shut down right after
+    stop = threading.Event()  # Ctrl-C or SIGTERM, at any moment: start-up stops at its next step, then cleanup
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     redis = None
-    redis_url = args.redis_url
-    if redis_url is None and find_server_binary():
-        redis = RedisServer().start()
-        redis_url = redis.url
-        print(f"started a local Redis for the KV store at {redis_url}", flush=True)
-    elif redis_url is None:
-        print("no Redis URL and no redis-server binary: running without the Redis tier", flush=True)
-    config = _config(args, redis_url)
-    # address="local": always a fresh instance of our own, never an unrelated cluster found on the host
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False)
+    ray_started = False
     try:
+        import ray
+        from ray import serve
+        from ray.serve.config import gRPCOptions
+
+        from pdserve.redis_server import RedisServer, find_server_binary
+        from pdserve.services.app import build_system
+        from pdserve.services.cpu_shares import Unschedulable, fit_cpu_shares
+        from pdserve.services.kvstore.app import build_app as build_kvstore
+        from pdserve.v1 import SERVICER_FUNCTION
+
+        redis_url = args.redis_url
+        if redis_url is None and find_server_binary():
+            redis = RedisServer().start()
+            redis_url = redis.url
+            print(f"started a local Redis for the KV store at {redis_url}", flush=True)
+        elif redis_url is None:
+            print("no Redis URL and no redis-server binary: running without the Redis tier", flush=True)
+        config = _config(args, redis_url)
+        if stop.is_set():
+            return _stopped()
+        # address="local": always a fresh instance of our own, never an unrelated cluster found on the host
+        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False)
+        ray_started = True
+        try:
+            shares = fit_cpu_shares(config, ray.cluster_resources().get("CPU", 0.0))
+        except Unschedulable as exc:
+            print(f"pdserve serve: cannot start: {exc}", file=sys.stderr, flush=True)
+            return 2
+        print(shares.describe(), flush=True)
+        config = shares.apply(config)
+        if stop.is_set():
+            return _stopped()
         grpc_options = (gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION])
                         if args.grpc_port else None)
         serve.start(http_options={"host": args.host, "port": args.port}, grpc_options=grpc_options)
+        names = []
         if (kv := config.kvstore_config()) is not None:
-            serve.run(build_kvstore(kv), name="kvstore", route_prefix=None)
-        serve.run(build_system(config), name="pdserve", route_prefix="/")
+            serve._run(build_kvstore(kv), name="kvstore", route_prefix=None, _blocking=False)
+            names.append("kvstore")
+        serve._run(build_system(config), name="pdserve", route_prefix="/", _blocking=False)
+        names.append("pdserve")
+        print(f"loading {config.model} in the replicas ...", flush=True)
+        if not _wait_running(names, stop):
+            return _stopped()
         url = f"http://{args.host}:{args.port}"
         print(f"pdserve is serving {config.model} ({config.mode}, {config.transport} transport) at {url}", flush=True)
-        print(f"  curl -N {url}/v1/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{config.model}\", \"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}}'",
-              flush=True)
+        served = config.served_model_name
+        print(f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"model\": "
+              f"\"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of "
+              f"France?\"}}], \"stream\": true}}'", flush=True)
         if args.grpc_port:
             print(f"  gRPC pdserve.v1.GenerateService at {args.host}:{args.grpc_port}", flush=True)
         stop.wait()
-        print("shutting down", flush=True)
+        return _stopped()
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        if ray_started:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
         if redis is not None:
             redis.stop()
+        print("pdserve serve: stopped", flush=True)
+
+
+def _stopped() -> int:
+    print("shutting down", flush=True)
     return 0
 
 

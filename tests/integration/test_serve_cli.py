@@ -1,4 +1,7 @@
-"""`pdserve serve` as a user runs it: a subprocess that brings everything up, streams, and shuts down."""
+"""`pdserve serve` in a subprocess with the `tiny` model on free ports: HTTP and gRPC stream the same tokens.
+
+Its twin with no flags at all, `make serve` as users run it, is test_make_serve.py.
+"""
 
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ def test_pdserve_serve_streams_a_completion_and_shuts_down(tmp_path):
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.services.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
-         "--num-cpus", "4"],
+         "--model", "tiny"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
