@@ -14,7 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pdserve.models.tiny import TINY_CONFIG, default_cache_dir, resolve_model_path, write_tiny_checkpoint
+from pdserve.models.resolve import resolve_model_path
+from pdserve.models.tiny import TINY_CONFIG, default_cache_dir, write_tiny_checkpoint
 
 
 def llama_config(**overrides: Any) -> dict[str, Any]:

@@ -43,7 +43,7 @@ class TokenSource:
 
     @classmethod
     def for_model(cls, model: str) -> TokenSource:
-        from pdserve.models.tiny import resolve_model_path
+        from pdserve.models.resolve import resolve_model_path
         from pdserve.models.tokenizer import Tokenizer
 
         return cls.from_tokenizer(Tokenizer.from_dir(resolve_model_path(model)))

@@ -18,7 +18,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.models.loader import load_model
-from pdserve.models.tiny import resolve_model_path
+from pdserve.models.resolve import resolve_model_path
 from pdserve.models.tokenizer import Tokenizer
 
 

@@ -1,4 +1,4 @@
-"""Model family (Llama/Mistral/Qwen2), HF checkpoint loading, tokenizer and the embedded `tiny` model.
+"""Model family (Llama/Mistral/Qwen2), HF checkpoint and GGUF loading, tokenizer, the embedded `tiny` model.
 
 Names load lazily, so `pdserve.models.tokenizer` (used by the router) does not import torch.
 """
@@ -11,6 +11,7 @@ from typing import Any
 _LAZY = {
     "ModelConfig": "config", "load_model_config": "config", "MODEL_REGISTRY": "llama",
     "LlamaForCausalLM": "llama", "load_model": "loader",
+    "resolve_model_path": "resolve", "served_model_name": "resolve", "MODEL_ALIASES": "resolve",
 }
 
 

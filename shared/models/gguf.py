@@ -100,7 +100,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
     weights: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
-            raise ValueError(f"{gguf_path}: rope frequency factors (rope_freqs.weight, Llama 3.1 scaling) are not supported")
+            raise ValueError(
+                f"{gguf_path}: rope frequency factors (rope_freqs.weight, Llama 3.1) are not supported"
+            )
         hf_name = hf_tensor_name(tensor.name)
         array = dequantize_tensor(tensor)
         if hf_name.endswith("q_proj.weight"):
@@ -114,7 +116,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
             f"{gguf_path}: token_embd shape {weights['model.embed_tokens.weight'].shape} does not match "
             f"vocab_size {expected_rows} x hidden_size {config['hidden_size']}"
         )
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt", "source": Path(gguf_path).name})
+    source = {"format": "pt", "source": Path(gguf_path).name}
+    save_file(weights, str(out_dir / "model.safetensors"), metadata=source)
     del weights
     _write_json(out_dir / "config.json", config)
     (out_dir / "tokenizer.json").write_text(build_tokenizer(meta).to_str(), encoding="utf-8")
@@ -151,14 +154,14 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
 
 def permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's HF -> GGUF row order: each head's two rotary halves become interleaved pairs."""
-    rows = weight.shape[0]
-    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Inverse of `permute_qk`: GGUF's interleaved rotary pairs back to HF's two halves per head."""
-    rows = weight.shape[0]
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def hf_config(meta: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
@@ -173,6 +176,7 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
         return value
 
     hidden, num_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = meta.get("llama.attention.key_length") or key("rope.dimension_count", hidden // num_heads)
     vocab_size = meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
@@ -182,7 +186,7 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(key("attention.head_count_kv", num_heads)),
-        "head_dim": int(meta.get("llama.attention.key_length") or key("rope.dimension_count", hidden // num_heads)),
+        "head_dim": int(head_dim),
         "vocab_size": int(vocab_size),
         "max_position_embeddings": int(key("context_length")),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),

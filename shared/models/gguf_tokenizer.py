@@ -84,7 +84,8 @@ def tokenizer_config(meta: dict[str, Any], max_length: int) -> dict[str, Any]:
 
 
 def generation_config(meta: dict[str, Any]) -> dict[str, Any]:
-    eos = [int(meta[f"tokenizer.ggml.{k}"]) for k in ("eos_token_id", "eot_token_id") if f"tokenizer.ggml.{k}" in meta]
+    keys = (f"tokenizer.ggml.{k}" for k in ("eos_token_id", "eot_token_id"))
+    eos = [int(meta[k]) for k in keys if k in meta]
     config: dict[str, Any] = {"eos_token_id": sorted(set(eos))}
     if (bos := meta.get("tokenizer.ggml.bos_token_id")) is not None:
         config["bos_token_id"] = int(bos)

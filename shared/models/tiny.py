@@ -62,15 +62,10 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model_path(name_or_path: str, cache_dir: str | Path | None = None) -> Path:
-    if name_or_path == TINY_NAME:
-        return ensure_tiny_checkpoint(cache_dir)
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    raise FileNotFoundError(
-        f"model {name_or_path!r} is neither 'tiny' nor an existing directory; pass the path of a "
-        "local Hugging Face checkpoint (config.json, *.safetensors, tokenizer.json) - nothing is downloaded"
-    )
+    """Kept for callers of the old location; see `pdserve.models.resolve.resolve_model_path`."""
+    from pdserve.models.resolve import resolve_model_path as resolve
+
+    return resolve(name_or_path, cache_dir)
 
 
 def ensure_tiny_checkpoint(cache_dir: str | Path | None = None) -> Path:
