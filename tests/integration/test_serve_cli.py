@@ -78,3 +78,17 @@ def test_pdserve_serve_streams_a_completion_and_shuts_down(tmp_path):
     output = (tmp_path / "serve.log").read_text()
     assert proc.returncode == 0, output[-3000:]
     assert f"http://127.0.0.1:{port}" in output and "curl" in output and "shutting down" in output
+
+
+def test_a_config_that_can_never_be_scheduled_fails_at_once_with_advice(tmp_path):
+    import multiprocessing
+
+    replicas = str(4 * multiprocessing.cpu_count() + 4)  # more model replicas than this machine can place
+    done = subprocess.run(  # the timeout: it must end on its own, never wait for CPUs that never come
+        [sys.executable, "-m", "pdserve.services.cli", "serve", "--model", "tiny", "--port", str(free_port()),
+         "--grpc-port", "0", "--prefill-replicas", replicas, "--decode-replicas", replicas],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "cannot start" in done.stderr and "--prefill-replicas / --decode-replicas" in done.stderr
+    assert "pdserve is serving" not in done.stdout
