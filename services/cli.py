@@ -83,7 +83,7 @@ def serve_main(argv: list[str]) -> int:
 
         from pdserve.redis_server import RedisServer, find_server_binary
         from pdserve.services.app import build_system
-        from pdserve.services.cpu_shares import Unschedulable, fit_cpu_shares
+        from pdserve.services.cpu_shares import Unschedulable, check_labels, fit_cpu_shares
         from pdserve.services.kvstore.app import build_app as build_kvstore
         from pdserve.v1 import SERVICER_FUNCTION
 
@@ -101,6 +101,7 @@ def serve_main(argv: list[str]) -> int:
         ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False)
         ray_started = True
         try:
+            check_labels(config, [node.get("Labels") or {} for node in ray.nodes() if node.get("Alive")])
             shares = fit_cpu_shares(config, ray.cluster_resources().get("CPU", 0.0))
         except Unschedulable as exc:
             print(f"pdserve serve: cannot start: {exc}", file=sys.stderr, flush=True)

@@ -90,6 +90,21 @@ def fit_cpu_shares(config: SystemConfig, total_cpus: float) -> CPUShares:
     return shares
 
 
+def check_labels(config: SystemConfig, node_labels: list[dict[str, str]]) -> None:
+    """Raises Unschedulable when a role's label_selector matches no node (its replicas would wait forever).
+
+    Only equality selectors are checked here; Ray's `!`/`in()` forms are left to Ray.
+    """
+    roles = [("decode", config.decode)] + ([("prefill", config.prefill)] if config.mode == "disaggregated" else [])
+    for role, overrides in roles:
+        selector = {k: v for k, v in (overrides.get("label_selector") or {}).items()
+                    if not v.startswith(("!", "in(", "!in("))}
+        if selector and not any(all(labels.get(k) == v for k, v in selector.items()) for labels in node_labels):
+            raise Unschedulable(
+                f"no node has the labels {role}.label_selector asks for ({selector}); start the local "
+                f"node with them (ray start --labels ...) or drop {role}.label_selector from the config")
+
+
 def _advice(total: float, fixed: float, open_replicas: int, num_router: int, num_prefill: int, num_decode: int) -> str:
     need = fixed + open_replicas * MIN_WORKER_SHARE
     return (

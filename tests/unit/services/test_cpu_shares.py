@@ -58,3 +58,16 @@ def test_stated_shares_beyond_the_machine_fail_with_advice():
 def test_describe_states_the_split():
     text = fit_cpu_shares(SystemConfig(), 2).describe()
     assert text == "CPU split of the 2 CPUs Ray sees: router 1 x 0.25, prefill 1 x 0.85, decode 1 x 0.85 (1.95 used)"
+
+
+def test_a_label_selector_no_node_has_fails_with_advice():
+    from pdserve.services.cpu_shares import check_labels
+
+    config = SystemConfig(prefill={"label_selector": {"pool": "compute"}}, decode={"label_selector": {"pool": "hbm"}})
+    nodes = [{"ray.io/node-id": "a", "pool": "compute"}, {"ray.io/node-id": "b", "pool": "hbm"}]
+    check_labels(config, nodes)
+    with pytest.raises(Unschedulable, match="decode.label_selector"):
+        check_labels(config, nodes[:1])
+    with pytest.raises(Unschedulable, match="prefill.label_selector"):
+        check_labels(config, nodes[1:])
+    check_labels(SystemConfig(mode="colocated", prefill={"label_selector": {"pool": "gone"}}), nodes[1:])
