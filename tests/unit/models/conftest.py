@@ -54,7 +54,7 @@ def hf_llama_weights(seed: int, tied: bool) -> dict[str, np.ndarray]:
             f"{p}.mlp.up_proj.weight": normal(INTER, HIDDEN),
             f"{p}.mlp.down_proj.weight": normal(HIDDEN, INTER),
             f"{p}.input_layernorm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32),
-            f"{p}.post_attention_layernorm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32),
+            f"{p}.post_attention_layernorm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN)).astype("f4"),
         }
     weights["model.norm.weight"] = (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
     if not tied:

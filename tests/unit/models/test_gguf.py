@@ -15,11 +15,14 @@ gguf = pytest.importorskip("gguf")
 from safetensors.numpy import load_file  # noqa: E402
 
 from pdserve.models.gguf import (  # noqa: E402
-    SUPPORTED_TYPES, convert_gguf, dequantize_tensor, ensure_hf_checkpoint, hf_config, permute_qk, unpermute_qk,
+    SUPPORTED_TYPES, convert_gguf, dequantize_tensor, ensure_hf_checkpoint, hf_config, permute_qk,
+    unpermute_qk,
 )
 from pdserve.models.tokenizer import Tokenizer  # noqa: E402
 
-from .conftest import HEAD_DIM, HEADS, KV_HEADS, LAYERS, TOKENS, Q, gguf_rows_from_hf, write_gguf  # noqa: E402
+from .conftest import (  # noqa: E402
+    HEAD_DIM, HEADS, KV_HEADS, LAYERS, TOKENS, Q, gguf_rows_from_hf, write_gguf,
+)
 
 ROWS, COLS = 6, 64  # two 32-element blocks per row
 
@@ -29,7 +32,7 @@ def _f16_scales(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def _pack_q4(d: np.ndarray, codes: np.ndarray, m: np.ndarray | None) -> np.ndarray:
-    """ggml Q4 blocks: f16 d [, f16 m], then 16 bytes: element j in the low nibble of byte j, j+16 in the high."""
+    """ggml Q4 block: f16 d [, f16 m], 16 bytes; element j is the low nibble of byte j, j+16 the high one."""
     blocks = codes.reshape(-1, 32).astype(np.uint8)
     nibbles = blocks[:, :16] | (blocks[:, 16:] << 4)
     head = [d.reshape(-1, 1).view(np.uint8)]
@@ -137,17 +140,19 @@ def test_conversion_writes_hf_checkpoint(tmp_path: Path, llama_gguf, tied: bool)
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] is tied
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 2, 16)
-    assert (config["num_hidden_layers"], config["vocab_size"], config["max_position_embeddings"]) == (LAYERS, 263, 256)
+    shape = (config["num_hidden_layers"], config["vocab_size"], config["max_position_embeddings"])
+    assert shape == (LAYERS, 263, 256)
     weights = load_file(str(out / "model.safetensors"))
     assert set(weights) == set(hf_weights)
     for name, reference in hf_weights.items():
-        kind = next((k for k in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "embed", "lm_head")
-                     if k in name), None)
+        kinds = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "embed", "lm_head")
+        kind = next((k for k in kinds if k in name), None)
         assert weights[name].dtype == np.float32 and weights[name].shape == reference.shape
         # Rows are quantized independently, so HF-order weights equal the quantized HF-order reference.
         qtype = {"q_proj": Q.Q4_0, "k_proj": Q.Q4_1, "v_proj": Q.F16, "o_proj": Q.BF16, "gate_proj": Q.Q8_0,
                  "up_proj": Q.Q4_1, "embed": Q.Q8_0, "lm_head": Q.Q4_0}.get(kind, Q.F32)
-        expected = gguf.quants.dequantize(gguf.quants.quantize(reference, qtype), qtype).reshape(reference.shape)
+        quantized = gguf.quants.quantize(reference, qtype)
+        expected = gguf.quants.dequantize(quantized, qtype).reshape(reference.shape)
         np.testing.assert_array_equal(weights[name], expected, err_msg=name)
         scale = np.abs(reference).max()
         assert np.abs(weights[name] - reference).max() <= 0.15 * scale, name  # and close to the original
@@ -160,7 +165,8 @@ def test_tokenizer_from_metadata(tmp_path: Path, llama_gguf) -> None:
     tokenizer = Tokenizer.from_dir(ensure_hf_checkpoint(path, tmp_path))
     ids = {t: i for i, t in enumerate(TOKENS)}
     text = "the thin<|im_end|> 42"
-    expected = [ids["t"], ids["he"], ids["Ġt"], ids["h"], ids["in"], ids["<|im_end|>"], ids["Ġ"], ids["4"], ids["2"]]
+    pieces = ["t", "he", "Ġt", "h", "in", "<|im_end|>", "Ġ", "4", "2"]  # digits split one by one
+    expected = [ids[p] for p in pieces]
     assert tokenizer.encode(text) == expected
     assert tokenizer.decode(expected, skip_special_tokens=False) == text
     assert tokenizer.decode(tokenizer.encode("naïve  ☃\n\tx")) == "naïve  ☃\n\tx"
@@ -183,7 +189,8 @@ def test_loads_in_pdserve_like_transformers_gguf(tmp_path: Path, llama_gguf) -> 
     ).eval()
     prompt = list(range(3, 40))
     n = len(prompt)
-    caches = [(torch.zeros(3, 16, KV_HEADS, HEAD_DIM), torch.zeros(3, 16, KV_HEADS, HEAD_DIM)) for _ in range(LAYERS)]
+    block = torch.zeros(3, 16, KV_HEADS, HEAD_DIM)
+    caches = [(block.clone(), block.clone()) for _ in range(LAYERS)]
     meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decode_tokens=0, decode_groups=(),
                              prefills=(PrefillChunk(0, n, n, torch.arange(3)),))
     with torch.no_grad():
@@ -223,8 +230,8 @@ def test_concurrent_processes_publish_one_complete_directory(tmp_path: Path, lla
     code = ("import sys; from pdserve.models.gguf import ensure_hf_checkpoint; "
             "print(ensure_hf_checkpoint(sys.argv[1], sys.argv[2]))")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(path), str(tmp_path)], stdout=subprocess.PIPE,
-                              text=True, env=env) for _ in range(3)]
+    command = [sys.executable, "-c", code, str(path), str(tmp_path)]
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) for _ in range(3)]
     outputs = {p.communicate(timeout=120)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs)
     assert len(outputs) == 1
