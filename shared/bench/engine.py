@@ -1,7 +1,12 @@
-"""`pdserve bench engine`: pdserve against HF transformers `generate` on a ~125M random Llama, fp32, CPU."""
+"""`pdserve bench engine`: pdserve against HF transformers `generate`, fp32, CPU.
+
+The default model is a ~125M random Llama; `--model` takes any name `resolve_model_path` knows. A GGUF
+model is dequantized once into an HF directory, and both engines load that same directory.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -14,6 +19,7 @@ import torch
 from pdserve.bench.roofline import gemv_bandwidth_gb_s, read_bandwidth_gb_s
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLM
+from pdserve.models.resolve import resolve_model_path, served_model_name
 from pdserve.models.tiny import default_cache_dir, ensure_tiny_checkpoint
 from pdserve.sampling_params import SamplingParams
 
@@ -44,10 +50,11 @@ def build_bench_model(root: Path | None = None) -> Path:
     return path
 
 
-def mixed_workload(seed: int, num_requests: int = 64) -> list[tuple[list[int], int]]:
+def mixed_workload(seed: int, num_requests: int = 64, vocab_size: int = 32000) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
+    top = min(vocab_size, 32000)
     return [
-        ([rng.randrange(10, 32000) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
+        ([rng.randrange(10, top) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
         for _ in range(num_requests)
     ]
 
@@ -85,14 +92,16 @@ def _hf_run(model, workload: list[tuple[list[int], int]], batch_size: int) -> fl
     return time.perf_counter() - start
 
 
-def run(quick: bool = False, seed: int = 0) -> dict:
+def run(quick: bool = False, seed: int = 0, model: str | None = None) -> dict:
     import transformers
 
-    path = build_bench_model()
+    path = build_bench_model() if model is None else resolve_model_path(model)
+    label = "llama-125m-random" if model is None else served_model_name(model)
     threads = torch.get_num_threads()
-    _log(f"model at {path}, {threads} threads")
+    _log(f"model {label} at {path}, {threads} threads; HF loads the same directory")
     b1 = [(list(range(1000, 1256)), 128)]
-    mixed = mixed_workload(seed, 16 if quick else 64)
+    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    mixed = mixed_workload(seed, 16 if quick else 64, vocab_size)
     llm = LLM(EngineConfig(
         model=str(path), device="cpu", dtype="float32",
         cache=CacheConfig(block_size=16, memory_budget_bytes=2 << 30, enable_prefix_caching=False),
@@ -118,7 +127,7 @@ def run(quick: bool = False, seed: int = 0) -> dict:
     pd_b1_tok_s = 128 / pd_b1
     return {
         "bench": "engine",
-        "model": "llama-125m-random fp32 cpu",
+        "model": f"{label} fp32 cpu",
         "threads": threads,
         "weight_bytes": weight_bytes,
         "num_mixed_requests": len(mixed),
