@@ -6,7 +6,7 @@ Ground truth: every replica has a hidden speed (a lognormal slowdown, and a shar
 an exact state (running sequences, queued prefill tokens, free blocks) that evolves: decodes advance
 at their true step time, prefill queues drain at their true rate. Requests arrive as a Poisson stream
 spread over several routers; each router sees stats polled every `poll_s` plus its own pending
-placements (as `placer.py` does), never the other routers' placements since the last poll.
+placements (pending.PendingPlacements, as the router uses it), never the other routers' since the poll.
 
 The oracle is the slo_aware objective with exact, instant state and the true speeds. For every request,
 in the same state, the policy's choice and the oracle's are both judged with true latencies: SLO
@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel, TransferModel
+from pdserve.services.router.pending import PendingPlacements
 from pdserve.services.router.placement import (
     Placement, PlacementConfig, PlacementRequest, Rejection, ReplicaSnapshot, create_policy,
 )
@@ -51,8 +52,12 @@ class Replica:
     role: str
     speed: float  # true slowdown (1.0: as the profile predicts)
     total_blocks: int
-    queued: float = 0.0  # prefill tokens waiting
+    queue: list[float] = field(default_factory=list)  # prompt tokens left per waiting prefill, FIFO
     seqs: list[list[float]] = field(default_factory=list)  # [context tokens, tokens left]
+
+    @property
+    def queued(self) -> float:
+        return sum(self.queue)
 
     @property
     def used_blocks(self) -> int:
@@ -63,14 +68,19 @@ class Replica:
         batch = len(self.seqs)
         step = model.decode_step_s(batch, context) if self.role == "decode" and batch else model.prefill_time_s(2048)
         return ReplicaSnapshot(
-            self.replica_id, self.role, age_s, num_running=batch, num_waiting=0,
+            self.replica_id, self.role, age_s, num_running=batch, num_waiting=len(self.queue),
             queued_prefill_tokens=int(self.queued), num_free_blocks=max(0, self.total_blocks - self.used_blocks),
             num_total_blocks=self.total_blocks, block_size=BLOCK, recent_step_time_s=self.speed * step,
             recent_step_tokens=float(batch if self.role == "decode" and batch else 2048), num_context_tokens=context)
 
     def advance(self, model: LatencyModel, dt: float) -> None:
-        if self.queued:
-            self.queued = max(0.0, self.queued - dt * 2048 / (self.speed * model.prefill_time_s(2048)))
+        budget = dt * 2048 / (self.speed * model.prefill_time_s(2048))  # prefill tokens done in dt
+        while self.queue and budget > 0:
+            done = min(budget, self.queue[0])
+            self.queue[0] -= done
+            budget -= done
+            if self.queue[0] <= 0:
+                self.queue.pop(0)
         if self.seqs:
             steps = dt / (self.speed * model.decode_step_s(len(self.seqs), int(sum(c for c, _ in self.seqs))))
             for s in self.seqs:
@@ -114,32 +124,34 @@ def run_policy(name: str, args: argparse.Namespace, profile: LatencyProfile) -> 
             r.seqs = [[rng.uniform(0.5, 1.5) * args.prompt_tokens, rng.uniform(1, args.output_tokens)]
                       for _ in range(rng.randint(args.initial_batch // 2, args.initial_batch))]
         else:
-            r.queued = rng.uniform(0, 2 * args.prompt_tokens)
+            r.queue = [rng.uniform(0.5, 1.5) * args.prompt_tokens for _ in range(rng.randint(0, 2))]
     by_id = {r.replica_id: r for r in cluster}
     config = PlacementConfig(policy=name, admission="queue", transport="ucx", max_chunk_tokens=2048)
     routers = [create_policy(config, profile) for _ in range(args.routers)]
     judge = SloAware(PlacementConfig(admission="queue", transport="ucx", max_chunk_tokens=2048), profile)
-    views: list[dict[str, ReplicaSnapshot]] = [{} for _ in routers]
-    now, next_poll = 0.0, 0.0
+    clock = [0.0]
+    pendings = [PendingPlacements(grace_s=0.0, clock=lambda: clock[0]) for _ in routers]
+    polled: list[ReplicaSnapshot] = []
+    next_poll = 0.0
     decision_s, met, met_oracle, ttft_regret, tpot_regret, ttfts, tpots = [], 0, 0, [], [], [], []
     for i in range(args.requests):
         dt = rng.expovariate(args.rate)
         for r in cluster:
             r.advance(model, dt)
-        now += dt
-        if now >= next_poll:  # every router polls every replica
-            for v in views:
-                v.clear()
-                v.update({r.replica_id: r.snapshot(model, 0.0) for r in cluster})
-            next_poll = now + args.poll_s
+        clock[0] += dt
+        if clock[0] >= next_poll:  # every router polls every replica; what they placed before is now in the stats
+            polled = [r.snapshot(model, 0.0) for r in cluster]
+            for pending in pendings:
+                for r in cluster:
+                    pending.observe(r.replica_id, clock[0])
+            next_poll = clock[0] + args.poll_s
         k = i % len(routers)
         prompt = max(BLOCK, int(rng.lognormvariate(math.log(args.prompt_tokens) - 0.125, 0.5)))
         request = PlacementRequest(prompt, args.output_tokens, args.ttft_s, args.tpot_s)
-        view = views[k]
-        prefill = [s for s in view.values() if s.role == "prefill"]
-        decode = [s for s in view.values() if s.role == "decode"]
         t0 = time.perf_counter()
-        placement = routers[k].place(request, prefill, decode)
+        view = [pendings[k].apply(s) for s in polled]  # what placer.py does for every request
+        placement = routers[k].place(request, [s for s in view if s.role == "prefill"],
+                                     [s for s in view if s.role == "decode"])
         decision_s.append(time.perf_counter() - t0)
         assert not isinstance(placement, Rejection)
         exact = {r.replica_id: r.snapshot(model, 0.0) for r in cluster}
@@ -153,15 +165,10 @@ def run_policy(name: str, args: argparse.Namespace, profile: LatencyProfile) -> 
         tpots.append(tpot)
         ttft_regret.append(ttft - o_ttft)
         tpot_regret.append(tpot - o_tpot)
-        # the request lands in the true state, and in this router's view as pending (placer.py's accounting)
+        # the request lands in the true state, and in this router's pending placements
         by_id[placement.decode_replica].seqs.append([float(prompt), float(args.output_tokens)])
-        target = by_id[placement.prefill_replica or placement.decode_replica]
-        target.queued += prompt
-        blocks = math.ceil((prompt + args.output_tokens) / BLOCK)
-        s = view[placement.decode_replica]
-        view[s.replica_id] = _with(s, num_pending=s.num_pending + 1, pending_blocks=s.pending_blocks + blocks)
-        p = view[target.replica_id]
-        view[p.replica_id] = _with(p, pending_prefill_tokens=p.pending_prefill_tokens + prompt)
+        by_id[placement.prefill_replica or placement.decode_replica].queue.append(float(prompt))
+        pendings[k].record_placement(placement, request, BLOCK)
     n = args.requests
     return {
         "decision_ms": _dist([x * 1e3 for x in decision_s]),
@@ -170,12 +177,6 @@ def run_policy(name: str, args: argparse.Namespace, profile: LatencyProfile) -> 
         "ttft_s": _dist(ttfts), "tpot_s": _dist(tpots),
         "ttft_regret_s": _dist(ttft_regret), "tpot_regret_s": _dist(tpot_regret),
     }
-
-
-def _with(s: ReplicaSnapshot, **changes) -> ReplicaSnapshot:
-    import dataclasses
-
-    return dataclasses.replace(s, **changes)
 
 
 def _dist(xs: list[float]) -> dict[str, float]:
