@@ -22,7 +22,8 @@ class DispatchMixin:
     async def _merged(
         self, request_id: str, p: Prepared, placements: list[Placement], span, meta: oa.ResponseMeta
     ) -> AsyncIterator[tuple[int, dict]]:
-        """(choice index, event) from the request's choices (placements: one per prompt); closing it cancels them all (engines abort, KV frees).
+        """(choice index, event) from the request's choices (placements: one per prompt); closing it cancels
+        them all (engines abort, KV frees).
         Ends the request's span and records its TTFT/TPOT/E2E and SLO outcome (not for client aborts)."""
         start = time.monotonic()
         ttft = None
@@ -109,7 +110,7 @@ class DispatchMixin:
         finished = imported = False
         try:
             if disaggregate:
-                first = await self.prefill.prefill.remote({**request, "replica": placement.prefill_replica})
+                first = await self._prefill({**request, "replica": placement.prefill_replica})
                 handoff, first_token_id = first["handoff"], first["first_token_id"]
                 first_token = {"token_ids": [first_token_id], "text": first["text"], "finished": False,
                                "logprobs": first["logprobs"], "top_logprobs": first["top_logprobs"],
@@ -136,6 +137,27 @@ class DispatchMixin:
                 if handoff is not None and not imported:
                     # decode never confirmed the pull: the prefill lease would otherwise wait for its TTL
                     self._spawn(self.prefill.abort.remote(handoff["lease_id"]))
+
+    async def _prefill(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The prefill call, shielded: a caller cancelled while it runs (a client gone while other choices
+        already stream) lets it finish and frees its lease, which nobody would pull."""
+        call = asyncio.ensure_future(self._await(self.prefill.prefill.remote(request)))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(self._release_orphan)
+            raise
+
+    @staticmethod
+    async def _await(response) -> Any:
+        return await response
+
+    def _release_orphan(self, call: asyncio.Future) -> None:
+        if call.cancelled() or call.exception() is not None:
+            return
+        handoff = call.result().get("handoff")
+        if handoff is not None:
+            self._spawn(self.prefill.abort.remote(handoff["lease_id"]))
 
     def _spawn(self, response) -> None:
         async def wait() -> None:

@@ -75,7 +75,9 @@ async def sse_stream(
             part = oa.choice_chunk(meta, index, event, tokenizer, p.want_logprobs, offsets[index], not started[index])
             started[index] = True
             offsets[index] += len(event.get("text") or "")
-            so_far = oa.usage(p.num_prompt_tokens, num_tokens, oa.cached_tokens(cached, p.n)) if p.continuous_usage else None
+            so_far = None
+            if p.continuous_usage:
+                so_far = oa.usage(p.num_prompt_tokens, num_tokens, oa.cached_tokens(cached, p.n))
             yield oa.chunk(meta, [part], p.continuous_usage, so_far)
         if p.include_usage:
             yield oa.chunk(meta, [], True, oa.usage(p.num_prompt_tokens, num_tokens, oa.cached_tokens(cached, p.n)))

@@ -59,18 +59,23 @@ def _bad(call, param: str, **kwargs) -> openai.BadRequestError:
     return err
 
 
+KEYS = ("num_free_blocks", "num_total_blocks", "num_leased_blocks", "num_running", "num_waiting")
+
+
+def _stats(ray_serve) -> dict[str, dict]:
+    return {name: {k: s[k] for k in KEYS} for name in ("prefill", "decode")
+            for s in [ray_serve.get_deployment_handle(name, app_name=APP).stats.remote().result()]}
+
+
 def _kv_idle(ray_serve) -> bool:
-    for name in ("prefill", "decode"):
-        s = ray_serve.get_deployment_handle(name, app_name=APP).stats.remote().result()
-        if s["num_free_blocks"] != s["num_total_blocks"] or s["num_leased_blocks"] or s["num_running"] or s["num_waiting"]:
-            return False
-    return True
+    return all(s["num_free_blocks"] == s["num_total_blocks"] and not (s["num_leased_blocks"] or s["num_running"]
+               or s["num_waiting"]) for s in _stats(ray_serve).values())
 
 
 def _wait_kv_idle(ray_serve) -> None:
     deadline = time.monotonic() + 15
     while not _kv_idle(ray_serve):
-        assert time.monotonic() < deadline, "KV blocks or sequences still held"
+        assert time.monotonic() < deadline, f"KV blocks or sequences still held: {_stats(ray_serve)}"
         time.sleep(0.1)
 
 
