@@ -45,7 +45,7 @@ class _SamplingFields(BaseModel):
     # extra="forbid" turns unknown fields into 400s instead of silently ignoring them
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1, max_length=256)
+    model: str | None = Field(None, min_length=1, max_length=256)  # None: the served model (as vLLM does)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -190,11 +190,39 @@ class CompletionRequest(_SamplingFields):
         return self.sampling_params(default_max_tokens, self.logprobs)
 
 
+class TextPart(BaseModel):
+    """One part of a message's content; only text reaches a text-only model."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str
+    content: str | list[TextPart] = Field(union_mode="left_to_right")
     name: str | None = Field(None, max_length=64)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_parts(cls, value):
+        if isinstance(value, list):
+            for k, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise ValueError(f"content[{k}] has type {kind!r}: only text parts are supported by this model")
+        return value
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        message = {"role": self.role, "content": self.text}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -113,7 +113,7 @@ def prepare(
         req = ChatCompletionRequest.model_validate(data) if chat else CompletionRequest.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-    if req.model != config.served_model_name:
+    if req.model is not None and req.model != config.served_model_name:
         raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                        f"'{config.served_model_name}'", param="model", code="model_not_found",
                        reason="unknown_model")
@@ -178,7 +178,7 @@ def _tokenize(
     req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer, vocab_size: int
 ) -> tuple[tuple[int, ...], ...]:
     if isinstance(req, ChatCompletionRequest):
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ValueError as exc:

@@ -182,6 +182,25 @@ def test_user_is_accepted(client):
     assert chat.choices[0].message.content is not None
 
 
+def test_chat_text_parts_and_an_absent_model_as_guidellm_sends_them(server, client):
+    import httpx
+
+    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
+    as_parts = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], **GREEDY)
+    as_text = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi there"}], **GREEDY)
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    body = {"messages": [{"role": "user", "content": parts}], "stream": True, "stop": None, "ignore_eos": True,
+            "max_completion_tokens": 4, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert response.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert '"model":"tiny"' in lines[0]
+    err = _bad(lambda **kw: client.chat.completions.create(**kw), "messages.0.content", model="tiny",
+               messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    assert "only text parts" in err.message
+
+
 def test_unsupported_fields_are_refused_by_name(client):
     c, chat = client.completions.create, client.chat.completions.create
     messages = [{"role": "user", "content": "x"}]

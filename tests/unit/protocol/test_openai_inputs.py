@@ -81,3 +81,26 @@ def test_accepted_no_op_values():
                                       "echo": True, "user": "u-1"})
     ChatCompletionRequest.model_validate({"model": "tiny", "messages": MESSAGES, "tools": [], "tool_choice": "none",
                                           "response_format": {"type": "text"}, "user": "u-1"})
+
+
+def test_chat_content_as_text_parts_and_model_optional():
+    from pdserve.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]}]})
+    assert req.model is None
+    assert [m.for_template() for m in req.messages] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+
+
+def test_non_text_content_parts_are_refused_by_name():
+    from pdserve.protocol import ChatCompletionRequest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="only text parts"):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}]})
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text"}]}]})

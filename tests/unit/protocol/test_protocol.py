@@ -44,7 +44,7 @@ def test_defaults_and_chat_logprobs():
     {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
     {"model": "tiny", "prompt": "x", "unknown_field": 1},
     {"model": "tiny", "prompt": [1, -2]},
-    {"prompt": "x"},
+    {"model": "", "prompt": "x"},  # an absent model means the served one; an empty name is an error
 ])
 def test_bad_completion_bodies_are_rejected(body):
     with pytest.raises(ValidationError):
