@@ -91,7 +91,7 @@ def ray_serve():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     # HTTP and gRPC on free ports: `serve.http_port` / `serve.grpc_port` tell tests where the proxy listens
     port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port},
