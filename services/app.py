@@ -36,10 +36,9 @@ class SystemConfig(BaseModel):
     @property
     def served_model_name(self) -> str:
         """The name clients send as `model`: an alias as given, a checkpoint by its file or folder name."""
-        path = Path(self.model)
-        if len(path.parts) == 1 and path.suffix != ".gguf":
-            return self.model
-        return path.stem if path.suffix == ".gguf" else path.name
+        from pdserve.models.resolve import served_model_name
+
+        return served_model_name(self.model)
 
     def worker(self, role: Literal["prefill", "decode"]) -> WorkerConfig:
         base: dict[str, Any] = {"model": self.model, "transport": self.transport, "tracing_env": self.tracing_env}

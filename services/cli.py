@@ -9,7 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from pdserve.models.resolve import DEFAULT_MODEL
 
 
 def _serve_parser() -> argparse.ArgumentParser:
