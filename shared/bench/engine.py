@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from pdserve.bench.roofline import gemv_bandwidth_gb_s, read_bandwidth_gb_s
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLM

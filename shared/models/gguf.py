@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from pdserve.models.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_config
 
 CONVERTER_VERSION = "gguf-v1"

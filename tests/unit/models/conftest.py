@@ -10,7 +10,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from pdserve.models.tiny import byte_alphabet  # noqa: E402
+from pdserve.models.tiny import byte_alphabet
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, CONTEXT = 64, 4, 2, 16, 96, 2, 256

@@ -12,16 +12,27 @@ import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
-from safetensors.numpy import load_file  # noqa: E402
-
-from pdserve.models.gguf import (  # noqa: E402
-    SUPPORTED_TYPES, convert_gguf, dequantize_tensor, ensure_hf_checkpoint, hf_config, permute_qk,
+from pdserve.models.gguf import (
+    SUPPORTED_TYPES,
+    convert_gguf,
+    dequantize_tensor,
+    ensure_hf_checkpoint,
+    hf_config,
+    permute_qk,
     unpermute_qk,
 )
-from pdserve.models.tokenizer import Tokenizer  # noqa: E402
+from pdserve.models.tokenizer import Tokenizer
+from safetensors.numpy import load_file
 
-from .conftest import (  # noqa: E402
-    HEAD_DIM, HEADS, KV_HEADS, LAYERS, TOKENS, Q, gguf_rows_from_hf, write_gguf,
+from .conftest import (
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    LAYERS,
+    TOKENS,
+    Q,
+    gguf_rows_from_hf,
+    write_gguf,
 )
 
 ROWS, COLS = 6, 64  # two 32-element blocks per row
@@ -183,7 +194,7 @@ def test_loads_in_pdserve_like_transformers_gguf(tmp_path: Path, llama_gguf) -> 
     from pdserve.models.loader import load_model
 
     path, _ = llama_gguf()
-    model, config = load_model(ensure_hf_checkpoint(path, tmp_path), torch.float32, "cpu")
+    model, _ = load_model(ensure_hf_checkpoint(path, tmp_path), torch.float32, "cpu")
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()

@@ -8,10 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from pdserve.models import resolve
 from pdserve.models.resolve import (
-    DEFAULT_MODEL, MODEL_ALIASES, PackagedGguf, resolve_model_path, served_model_name,
+    DEFAULT_MODEL,
+    MODEL_ALIASES,
+    PackagedGguf,
+    resolve_model_path,
+    served_model_name,
 )
 from pdserve.models.tiny import resolve_model_path as tiny_resolve_model_path
 
