@@ -156,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.services.bench import main as bench_router
 
         return bench_router(argv[2:])
+    if argv[:2] == ["bench", "placement"]:
+        from pdserve.services.router.simulate import main as bench_placement
+
+        return bench_placement(argv[2:])
     from pdserve.cli import main as library_main
 
     return library_main(argv)

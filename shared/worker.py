@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -12,6 +13,8 @@ from pdserve.kvcache.handoff import engine_layout, engine_pool
 from pdserve.kvcache.transports import KVTransport, create_transport
 from pdserve.kvcache.transports.ucx_env import UCXConfig
 from pdserve.sampling_params import params_from_dict, params_to_dict  # noqa: F401 - re-exported
+
+UCX_HOST_ENV = "PDSERVE_UCX_HOST"
 
 
 class WorkerConfig(BaseModel):
@@ -30,7 +33,9 @@ class WorkerConfig(BaseModel):
     lease_ttl_s: float = Field(30.0, gt=0)
     transport: Literal["ucx", "redis"] = "ucx"
     redis_url: str = "redis://127.0.0.1:6379/0"
-    ucx_host: str = "127.0.0.1"
+    # the address the UCX listener binds and advertises in handoff params; None: $PDSERVE_UCX_HOST (the
+    # Helm chart sets it to the pod IP), else loopback
+    ucx_host: str | None = None
     # off: CMA on one host (~2x faster here), but a peer dying mid-transfer aborts this process (UCXConfig)
     ucx_endpoint_error_handling: bool = True
     num_replicas: int = Field(1, ge=1)
@@ -42,6 +47,9 @@ class WorkerConfig(BaseModel):
     max_queued_requests: int = Field(512, ge=1)
     # OTEL_* variables for this replica's tracing, over its process environment (which Ray may not pass on)
     tracing_env: dict[str, str] = Field(default_factory=dict)
+
+    def resolved_ucx_host(self) -> str:
+        return self.ucx_host or os.environ.get(UCX_HOST_ENV) or "127.0.0.1"
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -80,4 +88,4 @@ def build_transport(config: WorkerConfig, engine: AsyncLLMEngine) -> KVTransport
     if config.transport == "redis":
         return create_transport("redis", pool, layout, release, url=config.redis_url, ttl_s=int(config.lease_ttl_s) * 20)
     ucx = UCXConfig.for_pool(pool, endpoint_error_handling=config.ucx_endpoint_error_handling)
-    return create_transport("ucx", pool, layout, release, host=config.ucx_host, config=ucx)
+    return create_transport("ucx", pool, layout, release, host=config.resolved_ucx_host(), config=ucx)

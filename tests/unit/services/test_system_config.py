@@ -42,3 +42,13 @@ def test_invalid_configs_are_rejected():
     with pytest.raises(ValidationError):
         SystemConfig(prefill={"num_replicas": 0}).worker("prefill")
     assert SystemConfig().kvstore_config() is None
+
+
+def test_ucx_host_from_config_then_environment_then_loopback(monkeypatch):
+    from pdserve.worker import UCX_HOST_ENV, WorkerConfig
+
+    monkeypatch.delenv(UCX_HOST_ENV, raising=False)
+    assert WorkerConfig().resolved_ucx_host() == "127.0.0.1"
+    monkeypatch.setenv(UCX_HOST_ENV, "10.1.2.3")  # the chart sets the pod IP here
+    assert WorkerConfig().resolved_ucx_host() == "10.1.2.3"
+    assert WorkerConfig(ucx_host="192.168.0.9").resolved_ucx_host() == "192.168.0.9"
