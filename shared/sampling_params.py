@@ -26,6 +26,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs; 0 = sampled token only
+    # per prompt position: logprob of the prompt token and this many top alternatives; None = off
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # (token id, bias added to its logit), sorted by token id; a mapping is accepted and normalized
@@ -50,6 +52,7 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
             (all(t >= 0 and math.isfinite(b) and abs(b) <= MAX_ABS_LOGIT_BIAS for t, b in self.logit_bias),

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import GenerationRequest
+from pdserve.engine.outputs import GenerationRequest, TokenDelta
 from pdserve.sampling_params import SamplingParams
 
 
@@ -17,6 +17,10 @@ class Completion:
     text: str
     finish_reason: str | None
     num_cached_tokens: int
+    logprobs: list[float] | None = None  # with SamplingParams.logprobs
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    prompt_logprobs: tuple[float | None, ...] | None = None  # with SamplingParams.prompt_logprobs
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
 
 
 class LLM:
@@ -48,13 +52,20 @@ class LLM:
             for request_id in ids:
                 self.engine.abort(request_id)
             raise
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        texts: dict[str, list[str]] = {i: [] for i in ids}
-        done: dict[str, tuple[str | None, int]] = {}
+        deltas: dict[str, list[TokenDelta]] = {i: [] for i in ids}
         while self.engine.has_unfinished():
             for delta in self.engine.step():
-                tokens[delta.request_id].extend(delta.token_ids)
-                texts[delta.request_id].append(delta.text)
-                if delta.finished:
-                    done[delta.request_id] = (delta.finish_reason, delta.num_cached_tokens)
-        return [Completion(i, tokens[i], "".join(texts[i]), *done[i]) for i in ids]
+                deltas[delta.request_id].append(delta)
+        return [_completion(i, deltas[i]) for i in ids]
+
+
+def _completion(request_id: str, deltas: list[TokenDelta]) -> Completion:
+    first, last = deltas[0], deltas[-1]
+    with_logprobs = first.logprobs is not None
+    return Completion(
+        request_id, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), last.finish_reason,
+        last.num_cached_tokens,
+        logprobs=[lp for d in deltas for lp in d.logprobs or ()] if with_logprobs else None,
+        top_logprobs=[t for d in deltas for t in d.top_logprobs or ()] if with_logprobs else None,
+        prompt_logprobs=first.prompt_logprobs, prompt_top_logprobs=first.prompt_top_logprobs,
+    )

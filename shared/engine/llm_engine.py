@@ -12,9 +12,9 @@ from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.lease import Lease, LeaseTable
-from pdserve.engine.model_runner import ModelRunner, kv_block_bytes
+from pdserve.engine.model_runner import ModelRunner, PromptRows, kv_block_bytes
 from pdserve.engine.outputs import EngineStats, GenerationRequest, KVHandoff, TokenDelta
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, prompt_logprobs
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.models.loader import load_model
@@ -100,6 +100,7 @@ class LLMEngine:
                 raise ValueError("lease does not cover the prompt")
             seq.block_table = list(lease.block_ids)
             seq.num_computed_tokens = len(prompt)
+            seq.prompt_logprobs = None  # computed by the engine that prefilled
             self.block_manager.register_full_blocks(seq)
             seq.token_ids.append(request.first_token_id)
             self.requests[seq.request_id] = _RequestState(seq, detok)
@@ -151,7 +152,9 @@ class LLMEngine:
         if batch.is_empty:
             return []
         start = time.perf_counter()
-        seqs, logits = self.runner.run(batch)
+        seqs, logits, prompt_rows = self.runner.run(batch)
+        for rows in prompt_rows:
+            _record_prompt_logprobs(rows)
         sampled = self.sampler(logits, seqs) if seqs else None
         self._advance(batch)
         outputs = self._postprocess(seqs, sampled) if seqs else []
@@ -175,6 +178,7 @@ class LLMEngine:
             seq.num_deltas += 1
             seq.token_ids.append(token)
             state = self.requests[seq.request_id]
+            prompt = seq.prompt_logprobs if seq.num_deltas == 1 else None
             reason, stop_reason, text = self._check_stop(seq, state.detokenizer, token)
             handoff = None
             if seq.prefill_only and reason is None:
@@ -198,6 +202,8 @@ class LLMEngine:
                 num_cached_tokens=seq.num_cached_tokens, kv_handoff=handoff,
                 queue_time_s=_queue_time(seq) if seq.num_deltas == 1 else None,
                 num_prefill_chunks=seq.num_prefill_chunks,
+                prompt_logprobs=None if prompt is None else tuple(lp for lp, _ in prompt),
+                prompt_top_logprobs=None if prompt is None else tuple(top for _, top in prompt),
             ))
         return outputs
 
@@ -244,6 +250,13 @@ class LLMEngine:
             num_preemptions=self.num_preemptions,
             num_expired_leases=self.num_expired_leases,
         )
+
+
+def _record_prompt_logprobs(rows: PromptRows) -> None:
+    seq = rows.seq
+    targets = seq.token_ids[rows.start + 1 : rows.start + 1 + rows.logits.shape[0]]
+    assert len(seq.prompt_logprobs) == rows.start + 1, "prompt rows must continue the recorded positions"
+    seq.prompt_logprobs.extend(prompt_logprobs(rows.logits, targets, seq.params.prompt_logprobs))
 
 
 def _queue_time(seq: Sequence) -> float | None:

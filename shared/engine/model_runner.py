@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdserve.engine.scheduler import ScheduledBatch
@@ -14,6 +16,15 @@ from pdserve.models.config import ModelConfig
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return config.kv_bytes_per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Logits of a prefill chunk's rows for a sequence asking for prompt logprobs."""
+
+    seq: Sequence
+    start: int  # position of the first row; row i predicts prompt token start + i + 1
+    logits: torch.Tensor  # [n, V]
 
 
 class ModelRunner:
@@ -36,9 +47,11 @@ class ModelRunner:
         self.attention_backend = attention_backend(str(self.device), override=attention_override)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Returns the sequences that reach their last token this step and their logits [N, V]."""
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, list[PromptRows]]:
+        """The sequences that reach their last token this step and their logits [N, V]; and, for sequences
+        owing prompt logprobs, their chunk's prompt rows (only theirs: nobody else pays for extra rows)."""
         input_ids, positions, slots, sample_rows, sampling = [], [], [], [], []
+        prompt_rows: list[tuple[Sequence, int, range]] = []  # (seq, first position, batch rows)
         bs = self.block_size
         decodes = sorted(batch.decodes, key=len)  # similar lengths share a padded gather
         for seq in decodes:
@@ -57,17 +70,28 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             chunks.append(PrefillChunk(query_start, num_new, end, torch.tensor(table, dtype=torch.int64, device=self.device)))
+            if seq.wants_prompt_logprobs:
+                # row p predicts token p + 1: rows for the prompt tokens not recorded yet
+                first, last = max(start, len(seq.prompt_logprobs) - 1), min(end, seq.num_prompt_tokens - 1)
+                if first < last:
+                    prompt_rows.append((seq, first, range(query_start + first - start, query_start + last - start)))
             if end == len(seq):
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
         meta = self._metadata(decodes, slots, chunks)
         to = dict(dtype=torch.int64, device=self.device)
         hidden = self.model(torch.tensor(input_ids, **to), torch.tensor(positions, **to), self.kv_caches, meta)
-        if not sampling:
-            return [], hidden.new_empty(0, self.config.vocab_size)
-        if len(sample_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, **to)]
-        return sampling, self.model.compute_logits(hidden)
+        rows = sample_rows + [r for _, _, extra in prompt_rows for r in extra]
+        if not rows:
+            return [], hidden.new_empty(0, self.config.vocab_size), []
+        if prompt_rows or len(rows) != hidden.shape[0]:  # with prompt rows, `rows` is not in batch order
+            hidden = hidden[torch.tensor(rows, **to)]
+        logits = self.model.compute_logits(hidden)
+        out, offset = [], len(sample_rows)
+        for seq, first, extra in prompt_rows:
+            out.append(PromptRows(seq, first, logits[offset : offset + len(extra)]))
+            offset += len(extra)
+        return sampling, logits[: len(sample_rows)], out
 
     def _metadata(self, decodes: list[Sequence], slots: list[int], chunks: list[PrefillChunk]) -> AttentionMetadata:
         to = dict(dtype=torch.int64, device=self.device)

@@ -61,6 +61,10 @@ class TokenDelta:
     kv_handoff: KVHandoff | None = None
     queue_time_s: float | None = None  # arrival to first scheduled, on the first token's delta only
     num_prefill_chunks: int = 0
+    # on the first token's delta when SamplingParams.prompt_logprobs is set: one entry per prompt token,
+    # the first None (nothing precedes it)
+    prompt_logprobs: tuple[float | None, ...] | None = None
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -153,3 +153,17 @@ class Sampler:
             k = p.logprobs
             tops.append(list(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())) if k else [])
         return logprobs, tops
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, targets: list[int], k: int
+) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """(logprob of each target, the top k (token id, logprob)) under the raw model distribution of each row.
+    logits: [n, V], one row per target."""
+    raw = logits.float().log_softmax(dim=-1)
+    chosen = raw.gather(1, torch.tensor(targets, device=raw.device)[:, None]).squeeze(1).tolist()
+    if not k:
+        return [(lp, ()) for lp in chosen]
+    top_values, top_ids = raw.topk(k, dim=-1)
+    tops = [tuple(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
+    return list(zip(chosen, tops))

@@ -104,7 +104,9 @@ class Scheduler:
                 budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
+            # A prefix-cache hit skips computing its rows, and prompt logprobs need every row: a sequence
+            # still owing them computes its whole prompt.
+            if not seq.block_table and not seq.wants_prompt_logprobs:
                 seq.num_computed_tokens = seq.num_cached_tokens = self.block_manager.match_prefix(seq)
             num_new = self._chunk_size(seq, budget, batch)
             # Admit only if the whole remaining prompt fits, so admissions never deadlock the pool.

@@ -41,11 +41,16 @@ class Sequence:
     first_scheduled_time: float | None = None
     num_prefill_chunks: int = 0  # engine steps that ran part of this prompt
     num_deltas: int = 0  # TokenDeltas emitted (an adopted sequence starts past its first token)
+    # (logprob of prompt token i, its top alternatives) for i < len(list); position 0 has neither.
+    # None: not asked for, or computed elsewhere (an adopted sequence: the prefill engine has them).
+    prompt_logprobs: list[tuple[float | None, tuple[tuple[int, float], ...] | None]] | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [(None, None)]
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -65,6 +70,10 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_decoding(self) -> bool:
