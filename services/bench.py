@@ -1,9 +1,12 @@
 """`pdserve bench router`: what the router and the KV handoff add over a direct engine call.
 
-The same requests (a fixed token prompt, greedy, exact output length) go once straight into an
-in-process AsyncLLMEngine, and once over HTTP through the Serve app: disaggregated (every request
-takes the prefill pool and a KV handoff) and colocated (router + one engine). TTFT is the first
-streamed token (delta or SSE chunk), E2E the last; the differences are what serving adds.
+The same requests (a fixed token prompt, greedy, exact output length) go straight into an
+in-process AsyncLLMEngine and over HTTP through the Serve app, alternating request by request so
+both share the machine's drift: disaggregated (every request takes the prefill pool and a KV
+handoff) and colocated (router + one engine), each deployed alone beside the direct engine. TTFT is
+the first streamed token (delta or SSE chunk), E2E the last, TPOT (E2E - TTFT) / (tokens - 1); the
+differences and ratios are what serving adds. Messages per token counts stream items (engine deltas
+or SSE chunks with a choice) per generated token.
 """
 
 from __future__ import annotations
@@ -50,22 +53,32 @@ def _log(message: str) -> None:
     print(f"[bench router] {message}", file=sys.stderr, flush=True)
 
 
-def _summary(samples: list[tuple[float, float]]) -> dict[str, float]:
+Sample = tuple[float, float, int, int]  # TTFT s, E2E s, tokens, stream messages
+
+
+def _summary(samples: list[Sample]) -> dict[str, float]:
     ttft = np.array([s[0] for s in samples]) * 1e3
     e2e = np.array([s[1] for s in samples]) * 1e3
+    tpot = np.array([(s[1] - s[0]) / max(1, s[2] - 1) for s in samples]) * 1e3
+    num_tokens = sum(s[2] for s in samples)
+
+    def pct(values: np.ndarray, q: int) -> float:
+        return round(float(np.percentile(values, q)), 3)
+
     return {
-        "ttft_ms_p50": round(float(np.percentile(ttft, 50)), 3), "ttft_ms_p99": round(float(np.percentile(ttft, 99)), 3),
-        "e2e_ms_p50": round(float(np.percentile(e2e, 50)), 3), "e2e_ms_p99": round(float(np.percentile(e2e, 99)), 3),
+        "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "e2e_ms_p50": pct(e2e, 50),
+        "e2e_ms_p99": pct(e2e, 99), "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99),
+        "messages_per_token": round(sum(s[3] for s in samples) / max(1, num_tokens), 4),
         "num_requests": len(samples), "_ttft_ms": ttft.tolist(),  # raw TTFTs, popped by run()
     }
 
 
-async def _closed_loop(one, prompts: list[list[int]], concurrency: int) -> list[tuple[int, tuple[float, float]]]:
-    """(request index, (TTFT, E2E)) for every prompt, `concurrency` requests in flight at a time."""
+async def _closed_loop(one, prompts: list[list[int]], concurrency: int) -> list[tuple[int, Sample]]:
+    """(request index, sample) for every prompt, `concurrency` requests in flight at a time."""
     queue: asyncio.Queue = asyncio.Queue()
     for i, prompt in enumerate(prompts):
         queue.put_nowait((i, prompt))
-    samples: list[tuple[int, tuple[float, float]]] = []
+    samples: list[tuple[int, Sample]] = []
 
     async def worker() -> None:
         while not queue.empty():
@@ -78,7 +91,7 @@ async def _closed_loop(one, prompts: list[list[int]], concurrency: int) -> list[
 
 def _alternating(ones: list):
     """Request i goes to ones[i % len(ones)]: paths measured side by side share the machine's drift."""
-    async def one(i: int, prompt: list[int]) -> tuple[float, float]:
+    async def one(i: int, prompt: list[int]) -> Sample:
         return await ones[i % len(ones)](i, prompt)
 
     return one
@@ -90,33 +103,41 @@ def _direct_one(engine, max_tokens: int):
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
-    async def one(i: int, prompt: list[int]) -> tuple[float, float]:
+    async def one(i: int, prompt: list[int]) -> Sample:
         start = time.perf_counter()
         ttft = None
-        async for _ in engine.generate(GenerationRequest(f"direct-{i}-{random.random()}", tuple(prompt), params)):
+        num_tokens = num_deltas = 0
+        async for delta in engine.generate(GenerationRequest(f"direct-{i}-{random.random()}", tuple(prompt), params)):
             ttft = ttft if ttft is not None else time.perf_counter() - start
-        return ttft, time.perf_counter() - start
+            num_tokens += len(delta.token_ids)
+            num_deltas += 1
+        return ttft, time.perf_counter() - start, num_tokens, num_deltas
 
     return one
 
 
 def _http_one(client, url: str, max_tokens: int):
-    async def one(i: int, prompt: list[int]) -> tuple[float, float]:
+    async def one(i: int, prompt: list[int]) -> Sample:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "stream": True}
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         start = time.perf_counter()
         ttft = None
-        num_chunks = 0
+        num_chunks = num_tokens = 0
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {await resp.aread()!r}")
             async for line in resp.aiter_lines():
-                if line.startswith("data: {"):
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk["choices"]:
                     ttft = ttft if ttft is not None else time.perf_counter() - start
                     num_chunks += 1
-        if num_chunks != max_tokens:
-            raise RuntimeError(f"expected {max_tokens} token chunks, got {num_chunks}")
-        return ttft, time.perf_counter() - start
+                elif chunk.get("usage"):
+                    num_tokens = chunk["usage"]["completion_tokens"]
+        if num_tokens != max_tokens:
+            raise RuntimeError(f"expected {max_tokens} tokens, the usage chunk says {num_tokens}")
+        return ttft, time.perf_counter() - start, num_tokens, num_chunks
 
     return one
 
@@ -136,20 +157,6 @@ async def _levels(
     return out
 
 
-def _direct(prompts, concurrencies, num_requests, max_tokens) -> dict[str, Any]:
-    from pdserve.engine.async_engine import AsyncLLMEngine
-    from pdserve.worker import WorkerConfig
-
-    async def run() -> dict[str, Any]:
-        engine = AsyncLLMEngine.from_config(WorkerConfig(num_cpus=1).engine_config())
-        try:
-            return (await _levels(_direct_one(engine, max_tokens), prompts, concurrencies, num_requests))[0]
-        finally:
-            await engine.close()
-
-    return asyncio.run(run())
-
-
 def _start_sink(sink: list) -> dict[str, str]:
     sink.extend(_otlp_sink())
     return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
@@ -164,12 +171,14 @@ def _routed(
     import ray
     from ray import serve
 
+    from pdserve.engine.async_engine import AsyncLLMEngine
     from pdserve.redis_server import free_port
     from pdserve.services.app import SystemConfig, build_system
+    from pdserve.worker import WorkerConfig
 
     port = free_port()
     worker = {"num_cpus": 1, "num_blocks": 512}
-    ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False,
+    ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False,
              runtime_env={"env_vars": env} if env else None)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -186,11 +195,18 @@ def _routed(
                 _log(f"{name}: deployed")
 
             async def run(group=group) -> list[dict[str, Any]]:
-                async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
-                    ones = [_http_one(client, f"http://127.0.0.1:{port}/{name}", max_tokens) for name, _, _ in group]
-                    return await _levels(_alternating(ones), prompts, concurrencies, num_requests, len(group))
+                engine = AsyncLLMEngine.from_config(WorkerConfig(num_cpus=1).engine_config())
+                try:
+                    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
+                        ones = [_direct_one(engine, max_tokens)] + [
+                            _http_one(client, f"http://127.0.0.1:{port}/{name}", max_tokens) for name, _, _ in group]
+                        return await _levels(_alternating(ones), prompts, concurrencies, num_requests, len(ones))
+                finally:
+                    await engine.close()
 
-            for (name, _, _), summary in zip(group, asyncio.run(run())):
+            direct, *routed = asyncio.run(run())
+            results[f"direct@{group[0][0]}"] = direct
+            for (name, _, _), summary in zip(group, routed):
                 results[name] = summary
             for name, _, _ in group:
                 serve.delete(name)
@@ -202,12 +218,10 @@ def _routed(
 
 def run(
     num_requests: int = 64, concurrencies: tuple[int, ...] = (1, 16), prompt_tokens: int = 16,
-    max_tokens: int = 16, seed: int = 0, env: dict[str, str] | None = None, tracing: bool = False,
+    max_tokens: int = 64, seed: int = 0, env: dict[str, str] | None = None, tracing: bool = False,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(0, 256) for _ in range(prompt_tokens)] for _ in range(16)]
-    _log("direct engine")
-    direct = _direct(prompts, list(concurrencies), num_requests, max_tokens)
     sink: list = []  # started after Ray: a live gRPC server in this process breaks Ray's fork of its raylet
     try:
         routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {},
@@ -226,10 +240,16 @@ def run(
         result["otlp_bytes_received"] = sink[2]["bytes"]
     for c in concurrencies:
         key = str(c)
-        block: dict[str, Any] = {"direct": direct[key], **{mode: routed[mode][key] for mode in PATHS}}
+        block: dict[str, Any] = {"direct": routed["direct@disaggregated"][key],
+                                 "direct_beside_colocated": routed["direct@colocated"][key],
+                                 **{mode: routed[mode][key] for mode in PATHS}}
         for mode, prefix in (("disaggregated", "added"), ("colocated", "colocated_added")):
+            direct = routed[f"direct@{mode}"][key]
             for metric in ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p99"):
-                block[f"{prefix}_{metric}"] = round(routed[mode][key][metric] - direct[key][metric], 3)
+                block[f"{prefix}_{metric}"] = round(routed[mode][key][metric] - direct[metric], 3)
+            for metric in ("tpot_ms_p50", "e2e_ms_p50"):
+                ratio = routed[mode][key][metric] / direct[metric] if direct[metric] else float("nan")
+                block[f"{mode}_{metric.removesuffix('_ms_p50')}_ratio_p50"] = round(ratio, 4)
         if TRACED in routed:
             block[TRACED] = traced = routed[TRACED][key]
             base = routed["disaggregated"][key]
@@ -239,13 +259,18 @@ def run(
                     100 * (traced[metric] / base[metric] - 1), 2)
         result[f"concurrency_{c}"] = block
     first = result[f"concurrency_{concurrencies[0]}"]
+    last = result[f"concurrency_{concurrencies[-1]}"]
     result["added_ttft_ms_p50"] = first["added_ttft_ms_p50"]
-    result["target_added_ttft_ms_p50"] = 5.0
-    result["meets_target"] = first["added_ttft_ms_p50"] <= 5.0
+    result[f"tpot_ratio_c{concurrencies[0]}"] = first["disaggregated_tpot_ratio_p50"]
+    result[f"e2e_ratio_c{concurrencies[-1]}"] = last["disaggregated_e2e_ratio_p50"]
+    result[f"messages_per_token_c{concurrencies[-1]}"] = last["disaggregated"]["messages_per_token"]
+    targets = {"added_ttft_ms_p50": 8.0, f"tpot_ratio_c{concurrencies[0]}": 1.15, f"e2e_ratio_c{concurrencies[-1]}": 2.0}
+    result["targets"] = targets
+    result["meets_targets"] = {k: result[k] <= v for k, v in targets.items()}
     raw = {"disaggregated": {}, "traced": {}}
     for c in concurrencies:
         block = result[f"concurrency_{c}"]
-        for name in (*PATHS, TRACED, "direct"):
+        for name in (*PATHS, TRACED, "direct", "direct_beside_colocated"):
             if name in block:
                 ttfts = block[name].pop("_ttft_ms")
                 if name in ("disaggregated", TRACED):
@@ -268,7 +293,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--requests", type=int, default=64, help="requests per concurrency level (at least 4x it)")
     p.add_argument("--concurrency", default="1,16", help="comma-separated closed-loop concurrency levels")
     p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment for every Serve replica, e.g. OTEL_TRACES_EXPORTER=otlp (repeatable)")
     p.add_argument("--tracing", action="store_true",
