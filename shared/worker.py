@@ -15,6 +15,9 @@ from pdserve.kvcache.transports.ucx_env import UCXConfig
 from pdserve.sampling_params import params_from_dict, params_to_dict  # noqa: F401 - re-exported
 
 UCX_HOST_ENV = "PDSERVE_UCX_HOST"
+# Ray Serve settings for latency, as Ray Serve LLM runs its replicas: user code and the handle's router on
+# the replica's own event loop, so a streamed item crosses no thread. The engine steps on its own thread.
+SERVE_LATENCY_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 class WorkerConfig(BaseModel):
@@ -47,6 +50,8 @@ class WorkerConfig(BaseModel):
     max_queued_requests: int = Field(512, ge=1)
     # OTEL_* variables for this replica's tracing, over its process environment (which Ray may not pass on)
     tracing_env: dict[str, str] = Field(default_factory=dict)
+    # environment of the replica process (Ray Serve settings); {} keeps Serve's defaults
+    serve_env: dict[str, str] = Field(default_factory=lambda: dict(SERVE_LATENCY_ENV))
 
     def resolved_ucx_host(self) -> str:
         return self.ucx_host or os.environ.get(UCX_HOST_ENV) or "127.0.0.1"
@@ -65,6 +70,8 @@ class WorkerConfig(BaseModel):
 
     def actor_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.serve_env:
+            options["runtime_env"] = {"env_vars": dict(self.serve_env)}
         if self.label_selector:
             options["label_selector"] = dict(self.label_selector)
         return options
