@@ -109,7 +109,9 @@ class _SamplingFields(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, default_max_tokens: int, num_logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         max_tokens = self.requested_max_tokens or default_max_tokens
         if self.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})")
@@ -120,7 +122,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=stops,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=num_logprobs,
-            logit_bias=self.logit_bias_ids,
+            prompt_logprobs=prompt_logprobs, logit_bias=self.logit_bias_ids,
         )
 
     @property
@@ -158,13 +160,6 @@ class CompletionRequest(_SamplingFields):
             raise PydanticCustomError("prompt", "prompt token ids must be non-negative")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _check_echo(cls, value, info: ValidationInfo):
-        if value and info.data.get("logprobs") is not None:
-            raise unsupported("echo with logprobs", "prompt logprobs are not implemented (echo alone is)")
-        return value
-
     @field_validator("suffix")
     @classmethod
     def _refuse_suffix(cls, value):
@@ -187,7 +182,8 @@ class CompletionRequest(_SamplingFields):
         return p if isinstance(p, list) and not isinstance(p[0], int) else [p]
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        return self.sampling_params(default_max_tokens, self.logprobs)
+        # echo with logprobs: the echoed prompt's tokens carry logprobs too, as OpenAI's legacy API does
+        return self.sampling_params(default_max_tokens, self.logprobs, self.logprobs if self.echo else None)
 
 
 class TextPart(BaseModel):

@@ -67,6 +67,8 @@ class PrefillDeployment(WorkerEndpoints):
         return {
             "first_token_id": delta.token_ids[0], "text": delta.text, "finish_reason": delta.finish_reason,
             "logprobs": delta.logprobs, "top_logprobs": delta.top_logprobs,
+            "prompt_logprobs": _plain(delta.prompt_logprobs),
+            "prompt_top_logprobs": _plain(delta.prompt_top_logprobs),
             "num_cached_tokens": delta.num_cached_tokens, "handoff": handoff, "replica": self.telemetry.replica,
         }
 
@@ -76,6 +78,10 @@ class PrefillDeployment(WorkerEndpoints):
         if forget is not None:
             forget(lease_id)
         return await self.engine.release_lease(lease_id)
+
+
+def _plain(values: tuple | None) -> list | None:
+    return None if values is None else list(values)
 
 
 def build_app(config: WorkerConfig | dict[str, Any]) -> Application:

@@ -54,6 +54,10 @@ class Prepared:
     def echo_of(self, choice: int) -> str:
         return self.echo_texts[choice // self.n] if self.echo_texts else ""
 
+    def echo_ids_of(self, choice: int) -> tuple[int, ...]:
+        """The prompt tokens whose logprobs lead the choice's (echo with logprobs), else ()."""
+        return self.prompts[choice // self.n] if self.echo_texts and self.want_logprobs else ()
+
     def params_for(self, choice: int) -> SamplingParams:
         """Choice j of a prompt samples with seed + j, so n choices differ yet stay reproducible, and a
         prompt in a batch samples as it would alone."""

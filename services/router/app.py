@@ -190,7 +190,8 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
             return StreamingResponse(sse_stream(meta, prepared, events, self.tokenizer),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            choices = [oa.Choice(i, prepared.echo_of(i)) for i in range(prepared.num_choices)]
+            choices = [oa.Choice(i, prepared.echo_of(i), prompt_token_ids=prepared.echo_ids_of(i))
+                       for i in range(prepared.num_choices)]
             async for index, event in events:
                 choices[index].add(event)
             return JSONResponse(oa.response_body(meta, choices, prepared.num_prompt_tokens, self.tokenizer,

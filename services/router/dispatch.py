@@ -114,13 +114,17 @@ class DispatchMixin:
                 handoff, first_token_id = first["handoff"], first["first_token_id"]
                 first_token = {"token_ids": [first_token_id], "text": first["text"], "finished": False,
                                "logprobs": first["logprobs"], "top_logprobs": first["top_logprobs"],
+                               "prompt_logprobs": first.get("prompt_logprobs"),
+                               "prompt_top_logprobs": first.get("prompt_top_logprobs"),
                                "num_cached_tokens": first.get("num_cached_tokens") or 0}
                 if first["finish_reason"] is not None or handoff is None:
                     finished = handoff is None
                     yield {**first_token, "finished": True, "finish_reason": first["finish_reason"]}
                     return
-                stream = self.decode.options(stream=True).generate.remote(
-                    {**request, "replica": placement.decode_replica}, handoff, first_token_id)
+                # prefill delivered the prompt logprobs: decode (a fallback included) must not compute them again
+                decode = {**request, "params": {**request["params"], "prompt_logprobs": None},
+                          "replica": placement.decode_replica}
+                stream = self.decode.options(stream=True).generate.remote(decode, handoff, first_token_id)
                 yield first_token
             else:
                 stream = self.decode.options(stream=True).generate.remote({**request, "replica": placement.decode_replica})

@@ -37,22 +37,62 @@ def cached_tokens(per_choice: list[int | None], n: int) -> int:
 @dataclass
 class Choice:
     index: int
-    text: str = ""
+    text: str = ""  # at construction: the echoed prompt, if any
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int | None = None  # from the choice's first event (prefill's, when disaggregated)
+    prompt_token_ids: tuple[int, ...] = ()  # echo with logprobs: the prompt, whose logprobs lead the choice's
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    num_echo_chars: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_echo_chars = len(self.text)
 
     def add(self, event: dict[str, Any]) -> None:
         if self.num_cached_tokens is None:
             self.num_cached_tokens = event.get("num_cached_tokens") or 0
+        if self.prompt_token_ids and not self.prompt_logprobs and event.get("prompt_logprobs") is not None:
+            self.prompt_logprobs = list(event["prompt_logprobs"])
+            self.prompt_top_logprobs = _tops(event.get("prompt_top_logprobs"))
         self.text += event.get("text") or ""
         self.token_ids.extend(event.get("token_ids") or ())
         self.logprobs.extend(event.get("logprobs") or ())
-        self.top_logprobs.extend([list(map(tuple, t)) for t in event.get("top_logprobs") or ()])
+        self.top_logprobs.extend(_tops(event.get("top_logprobs")))
         if event.get("finished"):
             self.finish_reason = event.get("finish_reason")
+
+
+def _tops(values) -> list[list[tuple[int, float]] | None]:
+    return [None if t is None else list(map(tuple, t)) for t in values or ()]
+
+
+def echo_logprobs(
+    tokenizer: Tokenizer, prompt_ids: tuple[int, ...], event: dict[str, Any], echo: str
+) -> dict[str, Any] | None:
+    """The echoed prompt's part of a completion's logprobs object, from the choice's first event; None without
+    prompt ids or prompt logprobs. Text offsets index `echo`: a special token it does not spell (a BOS the
+    tokenizer added to a string prompt) takes no characters."""
+    if not prompt_ids or event.get("prompt_logprobs") is None:
+        return None
+    out = completion_logprobs(tokenizer, list(prompt_ids), list(event["prompt_logprobs"]),
+                              _tops(event.get("prompt_top_logprobs")), 0)
+    if out is not None:
+        offsets, pos = [], 0
+        for token_id, tok in zip(prompt_ids, out["tokens"]):
+            offsets.append(min(pos, len(echo)))
+            if echo.startswith(tok, pos) or tokenizer.decode([token_id], skip_special_tokens=True):
+                pos += len(tok)
+        out["text_offset"] = offsets
+    return out
+
+
+def merge_logprobs(lead: dict[str, Any] | None, rest: dict[str, Any] | None) -> dict[str, Any] | None:
+    if lead is None or rest is None:
+        return lead or rest
+    return {key: lead[key] + rest[key] for key in lead}
 
 
 @dataclass(frozen=True)
@@ -76,8 +116,10 @@ def _token_str(tokenizer: Tokenizer, token_id: int) -> str:
 
 
 def completion_logprobs(
-    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]], offset: int
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float | None],
+    top: list[list[tuple[int, float]] | None], offset: int,
 ) -> dict[str, Any] | None:
+    """A `None` logprob or top entry (an echoed prompt's first token: nothing precedes it) stays null."""
     if len(logprobs) != len(token_ids):
         return None
     tokens = [_token_str(tokenizer, t) for t in token_ids]
@@ -89,6 +131,7 @@ def completion_logprobs(
         "tokens": tokens,
         "token_logprobs": logprobs,
         "top_logprobs": [
+            None if k < len(top) and top[k] is None else
             {_token_str(tokenizer, i): lp for i, lp in (top[k] if k < len(top) else ())} for k in range(len(tokens))
         ],
         "text_offset": text_offset,
@@ -122,8 +165,14 @@ def response_body(
     for c in choices:
         lp = None
         if want_logprobs:
-            lp = (chat_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs) if meta.chat
-                  else completion_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs, 0))
+            if meta.chat:
+                lp = chat_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs)
+            else:  # generated tokens' offsets start after the echoed prompt's text, if any
+                echo = c.text[: c.num_echo_chars]
+                prompt = {"prompt_logprobs": c.prompt_logprobs or None, "prompt_top_logprobs": c.prompt_top_logprobs}
+                lead = echo_logprobs(tokenizer, c.prompt_token_ids, prompt, echo)
+                own = completion_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs, len(echo))
+                lp = merge_logprobs(lead, own)
         if meta.chat:
             out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                         "logprobs": lp, "finish_reason": c.finish_reason})
@@ -149,12 +198,13 @@ def chunk(
 
 def choice_chunk(
     meta: ResponseMeta, index: int, event: dict[str, Any], tokenizer: Tokenizer, want_logprobs: bool,
-    text_offset: int, first: bool,
+    text_offset: int, first: bool, lead: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One choice's part of a stream chunk for one event (TokenDelta dict)."""
+    """One choice's part of a stream chunk for one event (TokenDelta dict); `lead` (an echoed prompt's
+    logprobs) goes before the event's own, which start at `text_offset`."""
     token_ids = list(event.get("token_ids") or ())
     logprobs = list(event.get("logprobs") or ())
-    top = [list(map(tuple, t)) for t in event.get("top_logprobs") or ()]
+    top = _tops(event.get("top_logprobs"))
     text = event.get("text") or ""
     finish = event.get("finish_reason") if event.get("finished") else None
     if meta.chat:
@@ -162,7 +212,7 @@ def choice_chunk(
         lp = chat_logprobs(tokenizer, token_ids, logprobs, top) if want_logprobs and token_ids else None
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
     lp = completion_logprobs(tokenizer, token_ids, logprobs, top, text_offset) if want_logprobs and token_ids else None
-    return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": merge_logprobs(lead, lp), "finish_reason": finish}
 
 
 def model_list(name: str, max_model_len: int, created: int) -> dict[str, Any]:

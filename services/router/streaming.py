@@ -59,8 +59,9 @@ async def prepend(first: Event | None, events: AsyncIterator[Event]) -> AsyncIte
 async def sse_stream(
     meta: oa.ResponseMeta, p: Prepared, events: AsyncIterator[Event], tokenizer: Tokenizer
 ) -> AsyncIterator[bytes]:
-    """Echoed prompt text leads each choice's first chunk; with continuous usage every chunk carries the
-    usage so far, and with include_usage a last chunk carries the total."""
+    """Echoed prompt text (with logprobs, the prompt tokens' logprobs too) leads each choice's first chunk;
+    with continuous usage every chunk carries the usage so far, and with include_usage a last chunk carries
+    the total."""
     started = [False] * p.num_choices
     offsets = [0] * p.num_choices
     cached: list[int | None] = [None] * p.num_choices
@@ -70,11 +71,17 @@ async def sse_stream(
             num_tokens += len(event.get("token_ids") or ())
             if cached[index] is None:
                 cached[index] = event.get("num_cached_tokens") or 0
+            text, lead = event.get("text") or "", None
             if not started[index] and p.echo_texts:
-                event = {**event, "text": p.echo_of(index) + (event.get("text") or "")}
-            part = oa.choice_chunk(meta, index, event, tokenizer, p.want_logprobs, offsets[index], not started[index])
+                echo = p.echo_of(index)
+                if p.want_logprobs:
+                    lead = oa.echo_logprobs(tokenizer, p.echo_ids_of(index), event, echo)
+                offsets[index] = len(echo)  # the generated tokens' offsets start after the echoed prompt
+                event = {**event, "text": echo + text}
+            part = oa.choice_chunk(meta, index, event, tokenizer, p.want_logprobs, offsets[index],
+                                   not started[index], lead)
             started[index] = True
-            offsets[index] += len(event.get("text") or "")
+            offsets[index] += len(text)
             so_far = None
             if p.continuous_usage:
                 so_far = oa.usage(p.num_prompt_tokens, num_tokens, oa.cached_tokens(cached, p.n))

@@ -143,8 +143,40 @@ def test_echo_prepends_the_prompt(client):
     chunks = [c for c in client.completions.create(model="tiny", prompt=SHORT, echo=True, stream=True, **GREEDY)]
     assert chunks[0].choices[0].text.startswith(SHORT)
     assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
-    err = _bad(client.completions.create, "echo", model="tiny", prompt=SHORT, echo=True, logprobs=1, max_tokens=2)
-    assert "not supported" in err.message
+    assert echoed.choices[0].logprobs is None  # echo without logprobs: text only
+
+
+@pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["decode-only", "prefill-replica"])
+def test_echo_with_logprobs_leads_with_the_prompt_logprobs_like_the_engine(client, llm, prompt):
+    ids = llm.tokenizer.encode(prompt)
+    n = len(ids)
+    assert (n >= 32) == (prompt == LONG)
+    want = llm.generate([ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2,
+                                              prompt_logprobs=2))[0]
+    want_values = [*want.prompt_logprobs[1:], *want.logprobs]
+    want_tops = [{llm.tokenizer.decode([t], skip_special_tokens=False): v for t, v in top}
+                 for top in [*want.prompt_top_logprobs[1:], *want.top_logprobs]]
+    resp = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=2, **GREEDY)
+    (choice,) = resp.choices
+    lp = choice.logprobs
+    assert choice.text == prompt + want.text and resp.usage.completion_tokens == 6
+    tokens = [*ids, *want.token_ids]
+    assert lp.tokens == [llm.tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert lp.text_offset[n] == len(prompt) and lp.text_offset == sorted(lp.text_offset)
+    assert lp.token_logprobs[1:] == pytest.approx(want_values, abs=1e-4)
+    assert [set(t) for t in lp.top_logprobs[1:]] == [set(t) for t in want_tops]
+    for got, expected in zip(lp.top_logprobs[1:], want_tops):
+        assert got == pytest.approx(expected, abs=1e-4)
+
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=2, stream=True,
+                                            **GREEDY))
+    first = chunks[0].choices[0]
+    assert first.text.startswith(prompt) and first.logprobs.tokens[:n] == lp.tokens[:n]
+    assert first.logprobs.token_logprobs[0] is None and first.logprobs.top_logprobs[0] is None
+    streamed = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    assert first.logprobs.text_offset == lp.text_offset[: n + 1]  # later ones follow the text streamed so far
 
 
 def test_continuous_usage_stats_on_every_chunk(client):

@@ -1,5 +1,5 @@
-"""Prompt logprobs (SamplingParams.prompt_logprobs) against transformers' log_softmax of the full-prompt logits:
-chunked prefill on and off, a prefix-cache hit present, a batch mixed with requests that do not ask, a
+"""Prompt logprobs (SamplingParams.prompt_logprobs) against transformers' log_softmax of the full-prompt
+logits: chunked prefill on and off, a prefix-cache hit present, a batch mixed with requests that do not ask, a
 prefill-only handoff; block accounting exact."""
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def _llm(path, chunked: bool = True, budget: int = 24, prefix_caching: bool = Tr
 
 
 def _params(prompt_logprobs: int | None = K, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=prompt_logprobs, **kw)
+    return SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=prompt_logprobs,
+                          **kw)
 
 
 @torch.no_grad()
@@ -66,7 +67,8 @@ def _assert_matches_hf(completion, hf_model, prompt: list[int], k: int = K) -> N
                                rtol=1e-4, atol=1e-4)
     ours = completion.prompt_top_logprobs[1:]
     assert [[t for t, _ in top] for top in ours] == top_ids
-    torch.testing.assert_close(torch.tensor([[v for _, v in top] for top in ours]), top_values, rtol=1e-4, atol=1e-4)
+    ours_values = torch.tensor([[v for _, v in top] for top in ours])
+    torch.testing.assert_close(ours_values, top_values, rtol=1e-4, atol=1e-4)
     assert torch.tensor(chosen).std() > 0.5  # non-degenerate: a constant answer would not pass by chance
 
 
@@ -115,7 +117,8 @@ def test_a_prefix_cache_hit_is_not_used_and_the_answer_is_identical(checkpoint):
     assert hot.prompt_logprobs == cold.prompt_logprobs and hot.prompt_top_logprobs == cold.prompt_top_logprobs
     assert hot.token_ids == cold.token_ids == warm_up.token_ids
     _assert_matches_hf(hot, hf_model, prompt)
-    assert llm.generate([prompt], _params(prompt_logprobs=None))[0].num_cached_tokens == 64  # cache still works
+    (after,) = llm.generate([prompt], _params(prompt_logprobs=None))
+    assert after.num_cached_tokens == 64  # the cache still works for requests that do not ask
     _assert_all_blocks_free(llm)
 
 
@@ -129,7 +132,8 @@ def test_batch_mixed_with_requests_that_do_not_ask(checkpoint):
     for got, want in zip([mixed[1], mixed[3]], alone):
         assert got.prompt_logprobs is None and got.prompt_top_logprobs is None
         assert got.token_ids == want.token_ids
-        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs),
+                                   rtol=1e-5, atol=1e-5)
     _assert_matches_hf(mixed[0], hf_model, prompts[0])
     _assert_matches_hf(mixed[2], hf_model, prompts[2], k=1)
     for got, prompt in ((mixed[0], prompts[0]), (mixed[2], prompts[2])):
@@ -145,8 +149,8 @@ def test_prefill_only_delivers_them_with_the_handoff_and_adoption_does_not_repea
     engine.add_request(GenerationRequest("p", tuple(prompt), _params(), prefill_only=True))
     (first,) = [d for _ in range(10) for d in engine.step()][:1]
     assert first.kv_handoff is not None and len(first.prompt_logprobs) == len(prompt)
-    engine.add_request(GenerationRequest("d", tuple(prompt), _params(), adopt_lease_id=first.kv_handoff.lease_id,
-                                         first_token_id=first.token_ids[0]))
+    engine.add_request(GenerationRequest("d", tuple(prompt), _params(),
+                                         adopt_lease_id=first.kv_handoff.lease_id, first_token_id=first.token_ids[0]))
     rest = []
     while engine.has_unfinished():
         rest += engine.step()

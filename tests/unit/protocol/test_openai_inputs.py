@@ -57,7 +57,6 @@ def test_stream_options_accept_continuous_usage_and_ignore_unknown_keys():
     ({"suffix": "tail"}, "suffix"),
     ({"best_of": 2}, "best_of"),
     ({"n": 2, "best_of": 3}, "best_of"),
-    ({"echo": True, "logprobs": 1}, "echo"),
 ])
 def test_unsupported_completion_fields_are_named(body, param):
     err = _error(CompletionRequest, {"prompt": "x", **body})
@@ -74,6 +73,15 @@ def test_unsupported_chat_fields_are_named(body, param):
     err = _error(ChatCompletionRequest, {"messages": MESSAGES, **body})
     assert err.param == param and err.code == "unsupported_parameter"
     assert "not supported" in err.message and err.message.startswith(param)
+
+
+def test_echo_with_logprobs_asks_for_prompt_logprobs():
+    def params(**body):
+        return CompletionRequest.model_validate({"prompt": "x", **body}).to_sampling_params(16)
+
+    assert params(echo=True, logprobs=2).prompt_logprobs == 2 and params(echo=True, logprobs=2).logprobs == 2
+    assert params(echo=True, logprobs=0).prompt_logprobs == 0
+    assert params(logprobs=2).prompt_logprobs is None and params(echo=True).prompt_logprobs is None
 
 
 def test_accepted_no_op_values():
