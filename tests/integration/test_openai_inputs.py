@@ -139,7 +139,9 @@ def test_echo_prepends_the_prompt(client):
     plain = client.completions.create(model="tiny", prompt=[SHORT, LONG], **GREEDY)
     echoed = client.completions.create(model="tiny", prompt=[SHORT, LONG], echo=True, **GREEDY)
     assert [c.text for c in echoed.choices] == [SHORT + plain.choices[0].text, LONG + plain.choices[1].text]
-    assert echoed.usage == plain.usage
+    # cached_tokens depends on what earlier requests left in the prefix cache
+    assert (echoed.usage.prompt_tokens, echoed.usage.completion_tokens) == (
+        plain.usage.prompt_tokens, plain.usage.completion_tokens)
     chunks = [c for c in client.completions.create(model="tiny", prompt=SHORT, echo=True, stream=True, **GREEDY)]
     assert chunks[0].choices[0].text.startswith(SHORT)
     assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text

@@ -180,7 +180,7 @@ def _assert_error(resp, status, param=None):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": "x"}, "model"),
+    ({"model": "", "prompt": "x"}, "model"),  # absent means the served model; empty is an error
     ({"model": "tiny"}, "prompt"),
     ({"model": "tiny", "prompt": ""}, "prompt"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),

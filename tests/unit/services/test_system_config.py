@@ -18,7 +18,7 @@ def test_worker_configs_inherit_model_transport_and_redis(tmp_path):
     config = SystemConfig.from_yaml(path)
     prefill, decode = config.worker("prefill"), config.worker("decode")
     assert (prefill.transport, prefill.redis_url, prefill.num_replicas) == ("redis", "redis://127.0.0.1:7777/0", 2)
-    assert prefill.engine_config().num_threads == 2 and prefill.actor_options() == {"num_cpus": 2.0}
+    assert prefill.engine_config().num_threads == 2 and prefill.actor_options()["num_cpus"] == 2.0
     assert decode.max_num_seqs == 8 and decode.num_replicas == 1
     assert decode.deployment_options()["max_ongoing_requests"] == 128
     assert config.kvstore_config().redis_url == "redis://127.0.0.1:7777/0"
