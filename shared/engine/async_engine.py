@@ -36,10 +36,18 @@ class AsyncLLMEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         queue: asyncio.Queue = asyncio.Queue()
-        async with self._lock:
-            self.engine.add_request(request)  # raises ValueError on bad input, before anything is held
-            self._queues[request.request_id] = queue
-            self._stats = self.engine.stats()
+        added = False
+        try:
+            async with self._lock:
+                self.engine.add_request(request)  # raises ValueError on bad input, before anything is held
+                added = True
+                self._queues[request.request_id] = queue
+                self._stats = self.engine.stats()
+        finally:
+            if not added and request.adopt_lease_id is not None:
+                # cancelled (client gone) or refused before adopting: the leased KV is nobody's, free it now
+                # rather than at the lease's expiry
+                await asyncio.shield(self.release_lease(request.adopt_lease_id))
         self._wake_loop()
         finished = False
         try:

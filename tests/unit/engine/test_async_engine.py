@@ -321,3 +321,30 @@ def test_reserved_lease_expires_on_an_idle_engine(tiny_dir: Path) -> None:
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_a_stream_cancelled_before_it_adopts_its_lease_frees_the_leased_kv(tiny_dir: Path) -> None:
+    """The window between a finished KV import and the engine adopting it: a client that leaves then
+    must not leave the lease to its expiry."""
+    import dataclasses
+
+    async def main() -> None:
+        engine = make_engine(tiny_dir)
+        try:
+            lease = await engine.reserve_kv(40)
+            assert engine.stats().num_leased_blocks == 3
+            adopt = dataclasses.replace(request("adopt", b"x" * 40), adopt_lease_id=lease.lease_id, first_token_id=7)
+            async with engine._lock:  # the engine is busy (a step, an admission) when the adoption arrives
+                stream = engine.generate(adopt)
+                task = asyncio.create_task(anext(stream))
+                await asyncio.sleep(0.05)
+                task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert engine.stats().num_leased_blocks == 0 and not engine.engine.leases.leases
+            await settle(engine)
+            assert is_idle(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
