@@ -50,6 +50,10 @@ class WorkerConfig(BaseModel):
     max_queued_requests: int = Field(512, ge=1)
     # OTEL_* variables for this replica's tracing, over its process environment (which Ray may not pass on)
     tracing_env: dict[str, str] = Field(default_factory=dict)
+    # decode streams: deltas queued while the router was away go as one message (the first at once);
+    # stream_interval_ms > 0 caps messages at one per interval
+    stream_coalesce: bool = True
+    stream_interval_ms: float = Field(0.0, ge=0, le=10_000)
     # environment of the replica process (Ray Serve settings); {} keeps Serve's defaults
     serve_env: dict[str, str] = Field(default_factory=lambda: dict(SERVE_LATENCY_ENV))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import aclosing
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +13,7 @@ from ray import serve
 from ray.serve import Application
 
 from pdserve.engine.async_engine import AsyncLLMEngine
+from pdserve.engine.coalesce import coalesced
 from pdserve.engine.outputs import GenerationRequest
 from pdserve import trace_attributes as ta
 from pdserve.kvcache.handoff import KVImporter, engine_layout
@@ -56,15 +58,19 @@ class DecodeDeployment(WorkerEndpoints):
                     yield fallback
             else:
                 metrics.add_prompt_tokens(len(prompt))
-            async for delta in self.engine.generate(gen):
-                if num_tokens == 0:
-                    queue = delta.queue_time_s or 0.0
-                    metrics.observe_queue(queue)
-                    metrics.add_prefix_cache_hit_tokens(delta.num_cached_tokens)
-                    span.set_attributes({ta.QUEUE_SECONDS: queue, ta.PREFILL_CHUNKS: delta.num_prefill_chunks,
-                                         "pdserve.decode.first_step_seconds": time.monotonic() - start})
-                num_tokens += len(delta.token_ids)
-                yield dataclasses.asdict(delta)
+            stream = self.engine.generate(gen)
+            if self.config.stream_coalesce:
+                stream = coalesced(stream, self.config.stream_interval_ms / 1e3)
+            async with aclosing(stream) as deltas:  # closed at once when the caller goes: the engine aborts
+                async for delta in deltas:
+                    if num_tokens == 0:
+                        queue = delta.queue_time_s or 0.0
+                        metrics.observe_queue(queue)
+                        metrics.add_prefix_cache_hit_tokens(delta.num_cached_tokens)
+                        span.set_attributes({ta.QUEUE_SECONDS: queue, ta.PREFILL_CHUNKS: delta.num_prefill_chunks,
+                                             "pdserve.decode.first_step_seconds": time.monotonic() - start})
+                    num_tokens += len(delta.token_ids)
+                    yield dataclasses.asdict(delta)
         finally:
             metrics.observe_decode(time.monotonic() - start)
             metrics.add_generation_tokens(num_tokens)

@@ -187,7 +187,8 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         self.api_metrics.requests.labels(endpoint, "200").inc()
         events = prepend(first, events)
         if prepared.stream:
-            return StreamingResponse(sse_stream(meta, prepared, events, self.tokenizer),
+            return StreamingResponse(sse_stream(meta, prepared, events, self.tokenizer, self.config.stream_interval_s,
+                                                self.api_metrics.count_write),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             choices = [oa.Choice(i, prepared.echo_of(i), prompt_token_ids=prepared.echo_ids_of(i))

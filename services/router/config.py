@@ -43,6 +43,14 @@ class RouterConfig(BaseModel):
     profile: dict[str, Any] | None = None  # a LatencyProfile as JSON
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.5, ge=0)
+    # SSE writes: coalesced (one write per batch of what arrived meanwhile, the first at once), or one per
+    # event; stream_interval_ms > 0 caps writes at one per interval, like vLLM's --stream-interval
+    stream_coalesce: bool = True
+    stream_interval_ms: float = Field(0.0, ge=0, le=10_000)
+
+    @property
+    def stream_interval_s(self) -> float | None:
+        return self.stream_interval_ms / 1e3 if self.stream_coalesce else None
 
     def resolved_api_keys(self) -> tuple[str, ...]:
         """Configured keys, those in $PDSERVE_API_KEYS (comma-separated), and those in `api_keys_file`

@@ -11,3 +11,12 @@ class APIMetrics:
         self.requests = Counter("pdserve_router_requests", "Requests by endpoint and status", ["endpoint", "status"],
                                 registry=registry)
         self.inflight = Gauge("pdserve_router_inflight_requests", "Requests in flight", registry=registry)
+        # coalescing shows as writes < events: one write carries every event that arrived meanwhile
+        self.stream_writes = Counter("pdserve_router_stream_writes", "SSE writes (one per coalesced batch)",
+                                     registry=registry)
+        self.stream_events = Counter("pdserve_router_stream_events", "SSE events with a choice written",
+                                     registry=registry)
+
+    def count_write(self, num_events: int) -> None:
+        self.stream_writes.inc()
+        self.stream_events.inc(num_events)

@@ -7,10 +7,11 @@ SSE chunk carrying `error`, followed by `[DONE]`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdserve.models.tokenizer import Tokenizer
+from pdserve.streams import batches
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
 from pdserve.services.router.errors import APIError
@@ -45,6 +46,11 @@ async def first_event(events: AsyncIterator[Event], retry_after_s: int) -> Event
         raise upstream_error(exc, retry_after_s) from None
 
 
+async def _singles(events: AsyncIterator[Event]) -> AsyncIterator[list[Event]]:
+    async for event in events:
+        yield [event]
+
+
 async def prepend(first: Event | None, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
     """`first` then the rest of `events`; closing this closes `events`."""
     try:
@@ -57,39 +63,52 @@ async def prepend(first: Event | None, events: AsyncIterator[Event]) -> AsyncIte
 
 
 async def sse_stream(
-    meta: oa.ResponseMeta, p: Prepared, events: AsyncIterator[Event], tokenizer: Tokenizer
+    meta: oa.ResponseMeta, p: Prepared, events: AsyncIterator[Event], tokenizer: Tokenizer,
+    interval_s: float | None = 0.0, on_write: Callable[[int], None] | None = None,
 ) -> AsyncIterator[bytes]:
-    """Echoed prompt text (with logprobs, the prompt tokens' logprobs too) leads each choice's first chunk;
+    """`interval_s`: None writes each event on its own; 0 coalesces (a write per batch of what arrived
+    meanwhile, the first at once); > 0 also caps writes at one per interval. `on_write(num_events)` counts.
+    Echoed prompt text (with logprobs, the prompt tokens' logprobs too) leads each choice's first chunk;
     with continuous usage every chunk carries the usage so far, and with include_usage a last chunk carries
     the total."""
     started = [False] * p.num_choices
     offsets = [0] * p.num_choices
     cached: list[int | None] = [None] * p.num_choices
     num_tokens = 0
+
+    def encode(index: int, event: dict) -> bytes:
+        nonlocal num_tokens
+        num_tokens += len(event.get("token_ids") or ())
+        if cached[index] is None:
+            cached[index] = event.get("num_cached_tokens") or 0
+        text, lead = event.get("text") or "", None
+        if not started[index] and p.echo_texts:
+            echo = p.echo_of(index)
+            if p.want_logprobs:
+                lead = oa.echo_logprobs(tokenizer, p.echo_ids_of(index), event, echo)
+            offsets[index] = len(echo)  # the generated tokens' offsets start after the echoed prompt
+            event = {**event, "text": echo + text}
+        part = oa.choice_chunk(meta, index, event, tokenizer, p.want_logprobs, offsets[index],
+                               not started[index], lead)
+        started[index] = True
+        offsets[index] += len(text)
+        so_far = None
+        if p.continuous_usage:
+            so_far = oa.usage(p.num_prompt_tokens, num_tokens, oa.cached_tokens(cached, p.n))
+        return oa.chunk(meta, [part], p.continuous_usage, so_far)
+
+    # one write per batch: whatever events arrived while the previous write was on its way
+    source = batches(events, interval_s) if interval_s is not None else _singles(events)
     try:
-        async for index, event in events:
-            num_tokens += len(event.get("token_ids") or ())
-            if cached[index] is None:
-                cached[index] = event.get("num_cached_tokens") or 0
-            text, lead = event.get("text") or "", None
-            if not started[index] and p.echo_texts:
-                echo = p.echo_of(index)
-                if p.want_logprobs:
-                    lead = oa.echo_logprobs(tokenizer, p.echo_ids_of(index), event, echo)
-                offsets[index] = len(echo)  # the generated tokens' offsets start after the echoed prompt
-                event = {**event, "text": echo + text}
-            part = oa.choice_chunk(meta, index, event, tokenizer, p.want_logprobs, offsets[index],
-                                   not started[index], lead)
-            started[index] = True
-            offsets[index] += len(text)
-            so_far = None
-            if p.continuous_usage:
-                so_far = oa.usage(p.num_prompt_tokens, num_tokens, oa.cached_tokens(cached, p.n))
-            yield oa.chunk(meta, [part], p.continuous_usage, so_far)
+        async for batch in source:
+            if on_write is not None:
+                on_write(len(batch))
+            yield b"".join(encode(index, event) for index, event in batch)
         if p.include_usage:
             yield oa.chunk(meta, [], True, oa.usage(p.num_prompt_tokens, num_tokens, oa.cached_tokens(cached, p.n)))
     except Exception as exc:  # the 200 went out already: the error travels in the stream
         yield oa.sse(upstream_error(exc, 0).body())
     finally:
+        await source.aclose()  # first: a coalescing source reads `events` in a task of its own
         await events.aclose()
     yield oa.DONE

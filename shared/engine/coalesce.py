@@ -1,22 +1,12 @@
-"""Coalesced token streams: everything produced since the consumer last took, as one delta or one batch.
-
-When the consumer keeps up, each batch is one item and nothing waits on a timer; when it lags,
-batches grow, so each hop downstream carries fewer, larger messages. `interval_s` > 0 caps the
-rate instead (a batch at most every interval after the first), for comparison with fixed-interval
-streaming.
-"""
+"""Coalesced token streams: the deltas produced since the consumer last took one, merged into one."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TypeVar
 
 from pdserve.engine.outputs import TokenDelta
-
-T = TypeVar("T")
+from pdserve.streams import batches
 
 
 def _concat(a: tuple | None, b: tuple | None) -> tuple | None:
@@ -45,54 +35,12 @@ def merge_deltas(deltas: Sequence[TokenDelta]) -> TokenDelta:
     return merged
 
 
-async def batches(items: AsyncIterator[T], interval_s: float = 0.0) -> AsyncIterator[list[T]]:
-    """`items` regrouped: the first at once, then whatever arrived while the consumer was away.
-
-    A pump task reads `items` ahead into a queue; closing this generator cancels the pump and closes
-    `items` (so an abandoned stream still aborts its work upstream). An error from `items` is raised
-    after the items that preceded it were delivered.
-    """
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump() -> None:
-        try:
-            async for item in items:
-                queue.put_nowait(item)
-        except BaseException as exc:  # delivered in order, after what came before it
-            queue.put_nowait(exc)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-        else:
-            queue.put_nowait(done)
-
-    task = asyncio.create_task(pump())
-    last_flush: float | None = None
+async def coalesced(deltas: AsyncIterator[TokenDelta], interval_s: float = 0.0) -> AsyncIterator[TokenDelta]:
+    """`deltas` with whatever queued up while the consumer was away merged into one delta; closing this
+    closes `deltas` (the engine aborts the request)."""
+    stream = batches(deltas, interval_s)
     try:
-        while True:
-            batch = [await queue.get()]
-            if interval_s > 0 and last_flush is not None:
-                wait = last_flush + interval_s - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-            while not queue.empty():
-                batch.append(queue.get_nowait())
-            end = next((k for k, item in enumerate(batch) if item is done or isinstance(item, BaseException)), None)
-            ready = batch if end is None else batch[:end]
-            if ready:
-                last_flush = time.monotonic()
-                yield ready
-            if end is not None:
-                if isinstance(batch[end], BaseException):
-                    raise batch[end]
-                return
+        async for batch in stream:
+            yield merge_deltas(batch)
     finally:
-        if not task.done():
-            task.cancel()
-            try:
-                await task
-            except BaseException:  # noqa: BLE001 - the pump's own cancellation
-                pass
-        aclose = getattr(items, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await stream.aclose()

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from pdserve.engine.coalesce import batches, merge_deltas
+from pdserve.engine.coalesce import merge_deltas
+from pdserve.streams import batches
 from pdserve.engine.outputs import TokenDelta
 
 

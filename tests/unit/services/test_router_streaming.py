@@ -52,10 +52,15 @@ async def _collect(agen):
     return [part async for part in agen]
 
 
+def _sse_events(writes: list[bytes]) -> list[bytes]:
+    """The SSE events in a stream's writes (a coalesced write holds several)."""
+    return [event + b"\n\n" for event in b"".join(writes).split(b"\n\n") if event]
+
+
 def test_error_after_first_token_is_an_sse_chunk_then_done():
     events = Events([_event("a"), _event("b")], fail=RuntimeError("decode replica died"))
     meta = oa.ResponseMeta("cmpl-1", "tiny", False)
-    parts = asyncio.run(_collect(sse_stream(meta, _prepared(), events, ByteTokenizer())))
+    parts = _sse_events(asyncio.run(_collect(sse_stream(meta, _prepared(), events, ByteTokenizer()))))
     assert parts[-1] == oa.DONE and events.closed
     bodies = [json.loads(p[6:]) for p in parts[:-1]]
     assert [b["choices"][0]["text"] for b in bodies[:2]] == ["a", "b"]
@@ -67,7 +72,7 @@ def test_error_after_first_token_is_an_sse_chunk_then_done():
 def test_usage_chunk_counts_tokens():
     events = Events([_event("a"), _event("b", finished=True)])
     meta = oa.ResponseMeta("cmpl-2", "tiny", False)
-    parts = asyncio.run(_collect(sse_stream(meta, _prepared(include_usage=True), events, ByteTokenizer())))
+    parts = _sse_events(asyncio.run(_collect(sse_stream(meta, _prepared(include_usage=True), events, ByteTokenizer()))))
     usage = json.loads(parts[-2][6:])["usage"]
     assert usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                      "prompt_tokens_details": {"cached_tokens": 0}}
@@ -93,3 +98,27 @@ def test_prepend_replays_first_and_closes_source():
     assert [e[1]["text"] for e in out] == ["a", "b"] and events.closed
     empty = Events([])
     assert asyncio.run(_collect(prepend(None, empty))) == [] and empty.closed
+
+
+def test_a_lagging_writer_sends_fewer_larger_writes_with_the_same_events():
+    async def produce():
+        for k in range(30):
+            yield _event(chr(ord("a") + k % 26))
+            await asyncio.sleep(0.002)
+
+    meta = oa.ResponseMeta("cmpl-3", "tiny", False)
+
+    async def consume(interval_s):
+        writes = []
+        stream = sse_stream(meta, _prepared(), produce(), ByteTokenizer(), interval_s, writes.append)
+        parts = []
+        async for part in stream:
+            parts.append(part)
+            await asyncio.sleep(0.02)  # the proxy (or client) takes longer than a token
+        return writes, parts
+
+    coalesced, parts = asyncio.run(consume(0.0))
+    singles, plain = asyncio.run(consume(None))
+    assert b"".join(parts) == b"".join(plain)  # the same bytes, in fewer writes
+    assert sum(coalesced) == sum(singles) == 30 and singles == [1] * 30
+    assert coalesced[0] == 1 and len(coalesced) < 30
