@@ -165,7 +165,8 @@ def _start_sink(sink: list) -> dict[str, str]:
 
 
 def _routed(
-    prompts, concurrencies, num_requests, max_tokens, env: dict[str, str], tracing=None
+    prompts, concurrencies, num_requests, max_tokens, env: dict[str, str], tracing=None,
+    streaming: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     import httpx
     import ray
@@ -177,7 +178,9 @@ def _routed(
     from pdserve.worker import WorkerConfig
 
     port = free_port()
-    worker = {"num_cpus": 1, "num_blocks": 512}
+    streaming = streaming or {}
+    worker = {"num_cpus": 1, "num_blocks": 512, **streaming}
+    router_streaming = {k: v for k, v in streaming.items() if k in ("stream_coalesce", "stream_interval_ms")}
     ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False,
              runtime_env={"env_vars": env} if env else None)
     try:
@@ -190,7 +193,8 @@ def _routed(
         for group in groups:
             for name, mode, traced in group:
                 config = SystemConfig(mode=mode, transport="ucx", prefill=worker, decode=worker, tracing_env=traced,
-                                      router={"disaggregate_min_prompt_tokens": 0, "num_cpus": 0.5})
+                                      router={"disaggregate_min_prompt_tokens": 0, "num_cpus": 0.5,
+                                              **router_streaming})
                 serve.run(build_system(config), name=name, route_prefix=f"/{name}")
                 _log(f"{name}: deployed")
 
@@ -219,13 +223,14 @@ def _routed(
 def run(
     num_requests: int = 64, concurrencies: tuple[int, ...] = (1, 16), prompt_tokens: int = 16,
     max_tokens: int = 64, seed: int = 0, env: dict[str, str] | None = None, tracing: bool = False,
+    streaming: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(0, 256) for _ in range(prompt_tokens)] for _ in range(16)]
     sink: list = []  # started after Ray: a live gRPC server in this process breaks Ray's fork of its raylet
     try:
         routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {},
-                         (lambda: _start_sink(sink)) if tracing else None)
+                         (lambda: _start_sink(sink)) if tracing else None, streaming)
     except BaseException:
         if sink:
             sink[0].stop(grace=None)
@@ -234,6 +239,7 @@ def run(
     result: dict[str, Any] = {
         "bench": "router", "model": "tiny", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "prompt_tokens": prompt_tokens, "output_tokens": max_tokens, "env": env or {},
+        "streaming": streaming or {},
     }
     if sink:
         result["otlp_exports_received"] = sink[2]["exports"]
@@ -298,10 +304,19 @@ def main(argv: list[str]) -> int:
                    help="environment for every Serve replica, e.g. OTEL_TRACES_EXPORTER=otlp (repeatable)")
     p.add_argument("--tracing", action="store_true",
                    help="also run the disaggregated app tracing every request (sampling 1.0) to a local OTLP sink")
+    p.add_argument("--no-coalesce", action="store_true", help="one message per token on every hop (attribution)")
+    p.add_argument("--stream-interval-ms", type=float, default=0.0, help="cap stream messages at one per interval")
+    p.add_argument("--serve-latency-env", action="store_true",
+                   help="workers run user code and the handle router on their event loop (SERVE_LATENCY_ENV)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    streaming: dict[str, Any] = {"stream_coalesce": not args.no_coalesce, "stream_interval_ms": args.stream_interval_ms}
+    if args.serve_latency_env:
+        from pdserve.worker import SERVE_LATENCY_ENV
+
+        streaming["serve_env"] = dict(SERVE_LATENCY_ENV)
     env = dict(item.split("=", 1) for item in args.env)
     result = run(args.requests, tuple(int(c) for c in args.concurrency.split(",")), args.prompt_tokens,
-                 args.output_tokens, args.seed, env, args.tracing)
+                 args.output_tokens, args.seed, env, args.tracing, streaming)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
