@@ -35,7 +35,14 @@ def parse_bytes(text: str) -> int:
 
 
 def load_model_config(source: str) -> ModelConfig:
-    """'tiny', a Hugging Face checkpoint directory, or a config.json-style file."""
+    """'tiny', an alias or a .gguf file (resolved like any served model), a Hugging Face checkpoint
+    directory, or a config.json-style file."""
+    from pdserve.models.resolve import MODEL_ALIASES
+
+    if source in MODEL_ALIASES or source.endswith(".gguf"):
+        from pdserve.models.resolve import resolve_model_path
+
+        source = str(resolve_model_path(source))
     if source == "tiny":
         from pdserve.models.tiny import TINY_CONFIG
 

