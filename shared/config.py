@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -24,8 +25,13 @@ class CacheConfig:
     num_blocks: int | None = None
     memory_budget_bytes: int = 512 * 1024 * 1024
     enable_prefix_caching: bool = True
+    # "auto" (the model dtype) | "int8" | "fp8_e4m3": the pool stores quantized K/V with per-(token, KV head)
+    # scales inside each block; attention upcasts (pdserve.kvcache.quant)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:

@@ -43,11 +43,12 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or max(
-            1, config.cache.memory_budget_bytes // kv_block_bytes(self.model_config, block_size, config.torch_dtype)
+            1, config.cache.memory_budget_bytes
+            // kv_block_bytes(self.model_config, block_size, config.torch_dtype, config.cache.kv_cache_dtype)
         )
         self.runner = ModelRunner(
             model, self.model_config, block_size, num_blocks, config.torch_dtype, config.device,
-            attention_override=config.attention_backend,
+            attention_override=config.attention_backend, kv_cache_dtype=config.cache.kv_cache_dtype,
         )
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)

@@ -10,12 +10,12 @@ from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 from pdserve.kernels import attention_backend
 from pdserve.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from pdserve.kvcache.pool import allocate_pool
+from pdserve.kvcache.quant import allocate_kv_cache, kv_block_nbytes
 from pdserve.models.config import ModelConfig
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return config.kv_bytes_per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    return kv_block_nbytes(config, block_size, dtype, kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -30,19 +30,18 @@ class PromptRows:
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, config: ModelConfig, block_size: int, num_blocks: int,
-        dtype: torch.dtype, device: str, attention_override: str | None = None,
+        dtype: torch.dtype, device: str, attention_override: str | None = None, kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        # One contiguous region per block (all layers, K and V), so a block moves as one buffer.
-        # kv_pool: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        self.kv_pool = allocate_pool(
-            (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim), dtype, self.device,
-        )
-        self.kv_caches = [(self.kv_pool[:, i, 0], self.kv_pool[:, i, 1]) for i in range(config.num_layers)]
+        # One contiguous region per block (all layers, K and V, scales when quantized), so a block moves as
+        # one buffer. kv_pool: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (auto), else
+        # [num_blocks, block_nbytes] uint8 (pdserve.kvcache.quant)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_pool, self.kv_caches = allocate_kv_cache(config, block_size, num_blocks, dtype, kv_cache_dtype, self.device)
         self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self.attention_backend = attention_backend(str(self.device), override=attention_override)
 
@@ -114,7 +113,7 @@ class ModelRunner:
             num_decode_tokens=len(decodes),
             decode_groups=tuple(groups),
             prefills=tuple(chunks),
-            workspace=self._workspace(needed) if needed and not triton else None,
+            workspace=self._workspace(needed) if needed and not triton and self.kv_cache_dtype == "auto" else None,
             backend=self.attention_backend,
         )
 

@@ -19,7 +19,8 @@ from pdserve.kvcache.wire import WireError
 
 def engine_layout(engine: AsyncLLMEngine) -> KVLayout:
     core = engine.engine
-    return layout_of(core.model_config, core.runner.kv_pool.dtype, core.block_manager.block_size)
+    return layout_of(core.model_config, core.config.torch_dtype, core.block_manager.block_size,
+                     core.config.cache.kv_cache_dtype)
 
 
 def engine_pool(engine: AsyncLLMEngine) -> KVPoolIO:

@@ -11,6 +11,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.kv_quant import QuantizedCache, gather_dequantized, store_quantized
+
+# a layer's K or V cache: [num_blocks, block_size, Hkv, Dh] in the model dtype, or int8/fp8 values with scales
+KVCache = torch.Tensor | QuantizedCache
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -47,28 +52,36 @@ class AttentionMetadata:
 
 
 def store_kvcache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: KVCache, v_cache: KVCache, slot_mapping: torch.Tensor
 ) -> None:
     # k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (block dim may be strided)
     block_size = k_cache.shape[1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    if isinstance(k_cache, QuantizedCache):
+        store_quantized(k, k_cache, blocks, offsets)
+        store_quantized(v, v_cache, blocks, offsets)
+        return
     k_cache.index_put_((blocks, offsets), k)
     v_cache.index_put_((blocks, offsets), v)
 
 
-def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    # cache: [num_blocks, block_size, Hkv, D] -> [length, Hkv, D]
+def gather_blocks(cache: KVCache, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    # cache: [num_blocks, block_size, Hkv, D] -> [length, Hkv, D] in `dtype` (dequantized on the fly)
+    if isinstance(cache, QuantizedCache):
+        return gather_dequantized(cache, block_table, dtype).flatten(0, 1)[:length]
     return cache.index_select(0, block_table).flatten(0, 1)[:length]
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+def _gather(cache: KVCache, blocks: torch.Tensor, buffer: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(cache, QuantizedCache):
+        return gather_dequantized(cache, blocks, dtype)
     if buffer is None or buffer.shape[0] < blocks.numel():
         return cache.index_select(0, blocks)
     return torch.index_select(cache, 0, blocks, out=buffer[: blocks.numel()])
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     # q: [D, H, Dh] -> out [D, H, Dh]
     out = torch.empty_like(q) if len(meta.decode_groups) > 1 else None
@@ -79,8 +92,9 @@ def decode_attention(
         span = group.max_context_len
         blocks = group.block_tables.flatten()
         # k, v: [n, S, Hkv, Dh] -> [n, Hkv, S, Dh]
-        k = _gather(k_cache, blocks, kbuf).view(n, width * block_size, *k_cache.shape[2:])[:, :span].transpose(1, 2)
-        v = _gather(v_cache, blocks, vbuf).view(n, width * block_size, *v_cache.shape[2:])[:, :span].transpose(1, 2)
+        k = _gather(k_cache, blocks, kbuf, q.dtype).view(n, width * block_size, *k_cache.shape[2:])
+        v = _gather(v_cache, blocks, vbuf, q.dtype).view(n, width * block_size, *v_cache.shape[2:])
+        k, v = k[:, :span].transpose(1, 2), v[:, :span].transpose(1, 2)
         mask = None
         if n > 1:
             positions = torch.arange(span, device=q.device)
@@ -94,16 +108,21 @@ def decode_attention(
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
     chunk: PrefillChunk, scale: float,
 ) -> torch.Tensor:
     # q: [Q, H, Dh]; k, v: [Q, Hkv, Dh] (this chunk's keys) -> out [Q, H, Dh]
     num_cached = chunk.context_len - chunk.query_len
-    if num_cached == 0:
+    # a quantized cache is always read back (like the Triton kernel), so the chunk sees what decode will
+    if num_cached == 0 and not isinstance(k_cache, QuantizedCache):
         keys, values, mask, causal = k, v, None, True
+    elif num_cached == 0:
+        keys = gather_blocks(k_cache, chunk.block_table, chunk.context_len, q.dtype)
+        values = gather_blocks(v_cache, chunk.block_table, chunk.context_len, q.dtype)
+        mask, causal = None, True
     else:
-        keys = gather_blocks(k_cache, chunk.block_table, chunk.context_len)
-        values = gather_blocks(v_cache, chunk.block_table, chunk.context_len)
+        keys = gather_blocks(k_cache, chunk.block_table, chunk.context_len, q.dtype)
+        values = gather_blocks(v_cache, chunk.block_table, chunk.context_len, q.dtype)
         query_pos = torch.arange(chunk.query_len, device=q.device)[:, None] + num_cached
         mask = torch.arange(chunk.context_len, device=q.device)[None, :] <= query_pos
         causal = False
@@ -117,7 +136,7 @@ def prefill_attention(
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
     meta: AttentionMetadata, scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. q: [T, H, Dh]; k, v: [T, Hkv, Dh]."""
