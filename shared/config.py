@@ -52,6 +52,23 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Draft up to `num_speculative_tokens` tokens per decode step and verify them in one forward pass."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    # ngram: match the last n tokens (n from max down to min) against earlier prompt + output text
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny"
     device: str = field(default_factory=default_device)
@@ -63,6 +80,7 @@ class EngineConfig:
     num_threads: int | None = None
     # None: triton on CUDA, torch elsewhere (PDSERVE_ATTENTION_BACKEND overrides); "torch" | "triton" forces
     attention_backend: str | None = None
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

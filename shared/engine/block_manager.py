@@ -4,7 +4,10 @@ Invariants:
 - a block is in `free_blocks` iff its ref_count is 0;
 - `hash_to_block[h] == b` implies `blocks[b].hash == h` (free blocks keep their hash until evicted);
 - every block is owned by sequences, leases, or the free list; `num_free_blocks` counts the
-  free list (cached-but-free blocks included), so it returns to `num_blocks` when all work is done.
+  free list (cached-but-free blocks included), so it returns to `num_blocks` when all work is done;
+- blocks taken for draft tokens (`grow_speculative`) are tracked until `rollback`: the ones whose
+  drafts were rejected go back to the free list where they were, with the cached hash they held,
+  so speculating and rejecting everything leaves the pool as it was.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.num_prefix_hit_tokens = 0
         self.num_prefix_queried_tokens = 0
+        # block taken for drafts -> (order taken, the hash it held in the free list)
+        self.speculative_blocks: dict[int, tuple[int, int | None]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,6 +101,38 @@ class BlockManager:
             return False
         seq.block_table.extend(self._take_free_block() for _ in range(needed))
         return True
+
+    def grow_speculative(self, seq: Sequence, num_tokens: int) -> bool:
+        """`grow` for tokens that may be rolled back: the new blocks are tracked until `rollback`."""
+        needed = self.num_blocks_to_grow(seq, num_tokens)
+        if not self.can_allocate(needed):
+            return False
+        for _ in range(needed):
+            block_id = next(iter(self.free_blocks))
+            self.speculative_blocks[block_id] = (len(self.speculative_blocks), self.blocks[block_id].hash)
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def rollback(self, kept: list[tuple[Sequence, int]]) -> None:
+        """End a speculative step: each sequence keeps the blocks covering its first `n` tokens (and any
+        it held before speculating); rejected draft blocks return to the front of the free list in
+        reverse order of taking, their cached hash restored if no other block took it meanwhile."""
+        dropped = []
+        for seq, num_tokens in kept:
+            keep = seq.blocks_needed(num_tokens)
+            while len(seq.block_table) > keep and seq.block_table[-1] in self.speculative_blocks:
+                dropped.append(seq.block_table.pop())
+        for block_id in sorted(dropped, key=lambda b: self.speculative_blocks[b][0], reverse=True):
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash is None, "a draft block is never shared or hashed"
+            block.ref_count = 0
+            previous = self.speculative_blocks[block_id][1]
+            if previous is not None and previous not in self.hash_to_block:
+                block.hash = previous
+                self.hash_to_block[previous] = block_id
+            self.free_blocks[block_id] = None
+            self.free_blocks.move_to_end(block_id, last=False)
+        self.speculative_blocks.clear()
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Hash the sequence's newly computed full blocks into the prefix cache."""

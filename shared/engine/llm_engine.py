@@ -17,6 +17,8 @@ from pdserve.engine.outputs import EngineStats, GenerationRequest, KVHandoff, To
 from pdserve.engine.sampler import Sampler, prompt_logprobs
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec import Drafter
+from pdserve.engine.spec.verify import Verified, verify
 from pdserve.models.loader import load_model
 from pdserve.models.resolve import resolve_model_path
 from pdserve.models.tokenizer import Tokenizer
@@ -51,7 +53,8 @@ class LLMEngine:
             attention_override=config.attention_backend, kv_cache_dtype=config.cache.kv_cache_dtype,
         )
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        drafter = None if config.speculative is None else Drafter.from_config(config.speculative, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, drafter)
         self.sampler = Sampler(config.seed)
         self.leases = LeaseTable(config.lease_ttl_s)
         self.requests: dict[str, _RequestState] = {}
@@ -59,6 +62,9 @@ class LLMEngine:
         self.step_tokens: deque[int] = deque(maxlen=32)
         self.num_preemptions = 0
         self.num_expired_leases = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verifications = 0
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -153,60 +159,85 @@ class LLMEngine:
         if batch.is_empty:
             return []
         start = time.perf_counter()
-        seqs, logits, prompt_rows = self.runner.run(batch)
+        seqs, logits, prompt_rows, verify_rows = self.runner.run(batch)
         for rows in prompt_rows:
             _record_prompt_logprobs(rows)
         sampled = self.sampler(logits, seqs) if seqs else None
-        self._advance(batch)
+        verified = verify(self.sampler, verify_rows) if verify_rows else []
+        self._advance(batch, verified)
         outputs = self._postprocess(seqs, sampled) if seqs else []
+        for result in verified:
+            outputs.extend(self._postprocess_verified(result))
         self.step_times.append(time.perf_counter() - start)
         self.step_tokens.append(batch.num_tokens)
         return outputs
 
-    def _advance(self, batch: ScheduledBatch) -> None:
+    def _advance(self, batch: ScheduledBatch, verified: list[Verified]) -> None:
         for seq in batch.decodes:
-            seq.num_computed_tokens += 1
-            self.block_manager.register_full_blocks(seq)
+            if seq not in batch.drafts:
+                seq.num_computed_tokens += 1
+                self.block_manager.register_full_blocks(seq)
+        # accepted draft tokens keep their K/V; the rejected ones' slots are dropped with their blocks.
+        # Blocks are hashed once the tokens are appended (_postprocess_verified).
+        for result in verified:
+            result.seq.num_computed_tokens += 1 + result.num_accepted
+            self.num_draft_tokens += result.num_draft_tokens
+            self.num_accepted_tokens += result.num_accepted
+            self.num_verifications += 1
+        if batch.drafts:
+            self.block_manager.rollback([(r.seq, r.seq.num_computed_tokens) for r in verified])
         for seq, num_new in batch.prefills:
             seq.num_prefill_chunks += 1
             seq.num_computed_tokens += num_new
             self.block_manager.register_full_blocks(seq)
 
     def _postprocess(self, seqs: list[Sequence], sampled) -> list[TokenDelta]:
+        return [
+            self._emit(seq, sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
+            for i, seq in enumerate(seqs)
+        ]
+
+    def _postprocess_verified(self, result: Verified) -> list[TokenDelta]:
+        """One delta per emitted token, as without drafts; a stop inside the draft drops the rest."""
         outputs = []
-        for i, seq in enumerate(seqs):
-            token = sampled.token_ids[i]
-            seq.num_deltas += 1
-            seq.token_ids.append(token)
-            state = self.requests[seq.request_id]
-            prompt = seq.prompt_logprobs if seq.num_deltas == 1 else None
-            reason, stop_reason, text = self._check_stop(seq, state.detokenizer, token)
-            handoff = None
-            if seq.prefill_only and reason is None:
-                handoff = self._hand_off(seq)
-                reason = None
-            elif reason is not None:
-                self.scheduler.finish(seq, reason)
-            finished = reason is not None or handoff is not None
-            if finished:
-                # Held text (a partial character, a stop-string prefix) stays with the engine that adopts the
-                # handoff: its detokenizer replays the first token and holds the same text.
-                if handoff is None and (stop_reason is None or isinstance(stop_reason, int)):
-                    text += state.detokenizer.flush()
-                del self.requests[seq.request_id]
-            outputs.append(TokenDelta(
-                request_id=seq.request_id, token_ids=(token,), text=text, finished=finished,
-                finish_reason=reason, stop_reason=stop_reason,
-                logprobs=None if sampled.logprobs[i] is None else (sampled.logprobs[i],),
-                top_logprobs=None if sampled.top_logprobs[i] is None else (tuple(sampled.top_logprobs[i]),),
-                num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-                num_cached_tokens=seq.num_cached_tokens, kv_handoff=handoff,
-                queue_time_s=_queue_time(seq) if seq.num_deltas == 1 else None,
-                num_prefill_chunks=seq.num_prefill_chunks,
-                prompt_logprobs=None if prompt is None else tuple(lp for lp, _ in prompt),
-                prompt_top_logprobs=None if prompt is None else tuple(top for _, top in prompt),
-            ))
+        for token, logprob, top in zip(result.token_ids, result.logprobs, result.top_logprobs):
+            outputs.append(self._emit(result.seq, token, logprob, top))
+            if outputs[-1].finished:
+                return outputs
+        self.block_manager.register_full_blocks(result.seq)
         return outputs
+
+    def _emit(self, seq: Sequence, token: int, logprob: float | None, top: list | None) -> TokenDelta:
+        seq.num_deltas += 1
+        seq.token_ids.append(token)
+        state = self.requests[seq.request_id]
+        prompt = seq.prompt_logprobs if seq.num_deltas == 1 else None
+        reason, stop_reason, text = self._check_stop(seq, state.detokenizer, token)
+        handoff = None
+        if seq.prefill_only and reason is None:
+            handoff = self._hand_off(seq)
+            reason = None
+        elif reason is not None:
+            self.scheduler.finish(seq, reason)
+        finished = reason is not None or handoff is not None
+        if finished:
+            # Held text (a partial character, a stop-string prefix) stays with the engine that adopts the
+            # handoff: its detokenizer replays the first token and holds the same text.
+            if handoff is None and (stop_reason is None or isinstance(stop_reason, int)):
+                text += state.detokenizer.flush()
+            del self.requests[seq.request_id]
+        return TokenDelta(
+            request_id=seq.request_id, token_ids=(token,), text=text, finished=finished,
+            finish_reason=reason, stop_reason=stop_reason,
+            logprobs=None if logprob is None else (logprob,),
+            top_logprobs=None if top is None else (tuple(top),),
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens, kv_handoff=handoff,
+            queue_time_s=_queue_time(seq) if seq.num_deltas == 1 else None,
+            num_prefill_chunks=seq.num_prefill_chunks,
+            prompt_logprobs=None if prompt is None else tuple(lp for lp, _ in prompt),
+            prompt_top_logprobs=None if prompt is None else tuple(top for _, top in prompt),
+        )
 
     def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> tuple[str | None, str | int | None, str]:
         params = seq.params

@@ -19,6 +19,15 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_
 
 
 @dataclass(frozen=True)
+class VerifyRows:
+    """Logits of a decode verifying draft tokens: row i follows the sequence plus draft[:i]."""
+
+    seq: Sequence
+    draft: list[int]
+    logits: torch.Tensor  # [len(draft) + 1, V]
+
+
+@dataclass(frozen=True)
 class PromptRows:
     """Logits of a prefill chunk's rows for a sequence asking for prompt logprobs."""
 
@@ -46,13 +55,14 @@ class ModelRunner:
         self.attention_backend = attention_backend(str(self.device), override=attention_override)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, list[PromptRows]]:
-        """The sequences that reach their last token this step and their logits [N, V]; and, for sequences
-        owing prompt logprobs, their chunk's prompt rows (only theirs: nobody else pays for extra rows)."""
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, list[PromptRows], list[VerifyRows]]:
+        """The sequences that reach their last token this step and their logits [N, V]; for sequences
+        owing prompt logprobs, their chunk's prompt rows (only theirs: nobody else pays for extra rows);
+        and for decodes with drafts, their len(draft) + 1 rows (run as a chunk over the paged cache)."""
         input_ids, positions, slots, sample_rows, sampling = [], [], [], [], []
         prompt_rows: list[tuple[Sequence, int, range]] = []  # (seq, first position, batch rows)
         bs = self.block_size
-        decodes = sorted(batch.decodes, key=len)  # similar lengths share a padded gather
+        decodes = sorted((s for s in batch.decodes if s not in batch.drafts), key=len)  # similar lengths share a gather
         for seq in decodes:
             pos = len(seq) - 1
             input_ids.append(seq.last_token_id)
@@ -61,6 +71,17 @@ class ModelRunner:
             sample_rows.append(len(input_ids) - 1)
             sampling.append(seq)
         chunks = []
+        verify_rows: list[tuple[Sequence, list[int], range]] = []
+        for seq, draft in batch.drafts.items():
+            start, end = len(seq) - 1, len(seq) + len(draft)
+            query_start = len(input_ids)
+            input_ids.append(seq.last_token_id)
+            input_ids.extend(draft)
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            chunks.append(PrefillChunk(query_start, end - start, end, torch.tensor(table, dtype=torch.int64, device=self.device)))
+            verify_rows.append((seq, draft, range(query_start, query_start + end - start)))
         for seq, num_new in batch.prefills:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             query_start = len(input_ids)
@@ -80,17 +101,22 @@ class ModelRunner:
         meta = self._metadata(decodes, slots, chunks)
         to = dict(dtype=torch.int64, device=self.device)
         hidden = self.model(torch.tensor(input_ids, **to), torch.tensor(positions, **to), self.kv_caches, meta)
-        rows = sample_rows + [r for _, _, extra in prompt_rows for r in extra]
+        extras = prompt_rows + verify_rows
+        rows = sample_rows + [r for _, _, extra in extras for r in extra]
         if not rows:
-            return [], hidden.new_empty(0, self.config.vocab_size), []
-        if prompt_rows or len(rows) != hidden.shape[0]:  # with prompt rows, `rows` is not in batch order
+            return [], hidden.new_empty(0, self.config.vocab_size), [], []
+        if extras or len(rows) != hidden.shape[0]:  # with extra rows, `rows` is not in batch order
             hidden = hidden[torch.tensor(rows, **to)]
         logits = self.model.compute_logits(hidden)
         out, offset = [], len(sample_rows)
         for seq, first, extra in prompt_rows:
             out.append(PromptRows(seq, first, logits[offset : offset + len(extra)]))
             offset += len(extra)
-        return sampling, logits[: len(sample_rows)], out
+        verify = []
+        for seq, draft, extra in verify_rows:
+            verify.append(VerifyRows(seq, draft, logits[offset : offset + len(extra)]))
+            offset += len(extra)
+        return sampling, logits[: len(sample_rows)], out, verify
 
     def _metadata(self, decodes: list[Sequence], slots: list[int], chunks: list[PrefillChunk]) -> AttentionMetadata:
         to = dict(dtype=torch.int64, device=self.device)

@@ -101,8 +101,24 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [N, V] float32, one row per sequence in `seqs`
         params = [s.params for s in seqs]
-        want_logprobs = any(p.logprobs is not None for p in params)
-        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        raw_logprobs, logits = self.process(logits, seqs)
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(p.is_greedy for p in params):
+            tokens = greedy_tokens
+        else:
+            probs = self.probabilities(logits, seqs)
+            sampled = (probs / self._exponential_noise(seqs, probs)).argmax(dim=-1)
+            is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+            tokens = torch.where(is_greedy, greedy_tokens, sampled)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, *self._logprobs(raw_logprobs, token_list, params))
+
+    @staticmethod
+    def process(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(raw logprobs if any row asks for logprobs, logits after penalties, bias and min_tokens masking).
+        A row's sequence may be any object with Sequence's token attributes (a draft-extended view)."""
+        params = [s.params for s in seqs]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, seqs)
         if any(p.logit_bias for p in params):
@@ -110,20 +126,17 @@ class Sampler:
         if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
             logits = logits.clone()
             mask_stop_tokens(logits, seqs)
-        greedy_tokens = logits.argmax(dim=-1)
-        if all(p.is_greedy for p in params):
-            tokens = greedy_tokens
-        else:
-            temperature = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], device=logits.device)
-            scaled = logits / temperature[:, None]
-            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-                scaled = apply_top_k_top_p_min_p(scaled, seqs)
-            probs = scaled.softmax(dim=-1)
-            sampled = (probs / self._exponential_noise(seqs, probs)).argmax(dim=-1)
-            is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-            tokens = torch.where(is_greedy, greedy_tokens, sampled)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, *self._logprobs(raw_logprobs, token_list, params))
+        return raw_logprobs, logits
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The sampling distribution of processed logits [N, V]: temperature, then top-k / top-p / min-p."""
+        params = [s.params for s in seqs]
+        temperature = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], device=logits.device)
+        scaled = logits / temperature[:, None]
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            scaled = apply_top_k_top_p_min_p(scaled, seqs)
+        return scaled.softmax(dim=-1)
 
     def _exponential_noise(self, seqs: list[Sequence], probs: torch.Tensor) -> torch.Tensor:
         noise = torch.empty_like(probs)

@@ -2,6 +2,8 @@
 
 When the KV pool runs out, the newest running sequence is preempted by recompute: its blocks
 are freed and it goes back to the front of the waiting queue with its generated tokens kept.
+With a drafter, a decode may also carry draft tokens to verify; drafts take only the budget and
+free blocks left after every decode and prefill (they never preempt or delay other work).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from pdserve.config import SchedulerConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.spec.drafter import Drafter
 
 
 @dataclass
@@ -21,10 +24,11 @@ class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk tokens)
     preempted: list[Sequence] = field(default_factory=list)
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # decodes verifying draft tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return len(self.decodes) + sum(len(d) for d in self.drafts.values()) + sum(n for _, n in self.prefills)
 
     @property
     def is_empty(self) -> bool:
@@ -32,11 +36,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, drafter: Drafter | None = None) -> None:
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs, or prefills could starve")
         self.config = config
         self.block_manager = block_manager
+        self.drafter = drafter
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -123,6 +128,13 @@ class Scheduler:
             batch.prefills.append((seq, num_new))
             scheduled.add(id(seq))
             budget -= num_new
+        # 3. drafts for the scheduled decodes, from the budget and free blocks everything else left
+        if self.drafter is not None:
+            for seq in batch.decodes:
+                draft = self.drafter.draft(seq, budget)
+                if draft and self.block_manager.grow_speculative(seq, len(seq) + len(draft)):
+                    batch.drafts[seq] = draft
+                    budget -= len(draft)
         return batch
 
     def _chunk_size(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:

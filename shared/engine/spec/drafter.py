@@ -1,0 +1,31 @@
+"""Per-sequence draft lengths: the proposer's guess, capped so a verification never overruns a limit."""
+
+from __future__ import annotations
+
+from pdserve.config import SpeculativeConfig
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec.proposer import Proposer, create_proposer
+
+
+class Drafter:
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig, max_model_len: int) -> Drafter:
+        return cls(create_proposer(config), config.num_speculative_tokens, max_model_len)
+
+    def draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decoding sequence: its verification computes rows at positions
+        len(seq) - 1 .. len(seq) - 1 + len(draft), and emits at most len(draft) + 1 tokens."""
+        limit = min(
+            self.num_speculative_tokens,
+            budget,
+            seq.params.max_tokens - seq.num_output_tokens - 1,  # the bonus token is the last one allowed
+            self.max_model_len - len(seq),
+        )
+        if limit <= 0 or seq.prefill_only:
+            return []
+        return self.proposer.propose(seq.token_ids, limit)
