@@ -44,6 +44,10 @@ def _bench(args: argparse.Namespace) -> int:
         from pdserve.bench.kernels import run
 
         result = run(quick=args.quick, seed=args.seed)
+    elif args.target == "kvquant":
+        from pdserve.bench.kvquant import run
+
+        result = run(model=args.model, quick=args.quick, seed=args.seed)
     elif args.target == "transfer":
         from pdserve.bench.transfer import run
 
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
-    bench.add_argument("target", choices=["engine", "kernels", "transfer", "router"],
+    bench.add_argument("target", choices=["engine", "kernels", "kvquant", "transfer", "router"],
                        help="router: run by the `pdserve` console script (it needs the services)")
     bench.add_argument("--transports", default=None, help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh")
     bench.add_argument("--json", action="store_true", help="one-line JSON")

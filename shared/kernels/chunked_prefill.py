@@ -16,17 +16,20 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._triton import upcast_for_interpreter
+from pdserve.kernels._triton import cache_operands, needs_upcast
+from pdserve.kernels.kv_quant import QuantizedCache, dequantized_cache
+from pdserve.kernels.paged_decode import dequantize_values
 
 LOG2E = 1.4426950408889634
 
 
 def chunked_prefill_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor | QuantizedCache, v_cache: torch.Tensor | QuantizedCache,
+    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    # q: [T, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [N, W]
+    # q: [T, H, D]; caches: [num_blocks, block_size, Hkv, D] (quantized: dequantized first); block_tables: [N, W]
     group = q.shape[1] // k_cache.shape[2]
+    k_cache, v_cache = dequantized_cache(k_cache), dequantized_cache(v_cache)
     out = torch.empty_like(q)
     for n in range(context_lens.shape[0]):
         start, end, ctx = int(cu_seqlens_q[n]), int(cu_seqlens_q[n + 1]), int(context_lens[n])
@@ -44,7 +47,9 @@ def chunked_prefill_attention_ref(
 def _attend_tile(
     acc, m_i, l_i, q, qk_scale, query_pos, k_cache_ptr, v_cache_ptr, table, kv_head, key_start, key_end,
     stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd, stride_tw,
-    d, d_mask, CAUSAL: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    d, d_mask, k_scale_ptr, v_scale_ptr, stride_ksb, stride_kso, stride_ksh, stride_vsb, stride_vso, stride_vsh,
+    CAUSAL: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     # online softmax over keys [key_start, key_end); scores in the log2 domain (qk_scale has log2(e))
     for tile in range(key_start, key_end, BLOCK_N):
@@ -56,9 +61,17 @@ def _attend_tile(
         v_rows = block * stride_vb + offset * stride_vo + kv_head * stride_vh
         kv_mask = valid[:, None] & d_mask[None, :]
         # k, v: [N, D]
-        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if UPCAST:
+        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0)
+        if QUANT:
+            # dequantize on the fly with the per-(token, KV head) scales [N]
+            k_s = tl.load(k_scale_ptr + block * stride_ksb + offset * stride_kso + kv_head * stride_ksh,
+                          mask=valid, other=0.0)
+            v_s = tl.load(v_scale_ptr + block * stride_vsb + offset * stride_vso + kv_head * stride_vsh,
+                          mask=valid, other=0.0)
+            k = (dequantize_values(k, QUANT) * k_s.to(tl.float32)[:, None]).to(q.dtype)
+            v = (dequantize_values(v, QUANT) * v_s.to(tl.float32)[:, None]).to(q.dtype)
+        elif UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, N]
         if CAUSAL:
@@ -77,14 +90,16 @@ def _attend_tile(
 @triton.jit
 def _chunked_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_ptr, context_lens_ptr, block_tables_ptr,
-    qk_scale,
+    k_scale_ptr, v_scale_ptr, qk_scale,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ko, stride_kh, stride_kd,
     stride_vb, stride_vo, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_tb, stride_tw,
+    stride_ksb, stride_kso, stride_ksh, stride_vsb, stride_vso, stride_vsh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUERIES_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -123,13 +138,15 @@ def _chunked_prefill_kernel(
         acc, m_i, l_i, q, qk_scale, query_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
         0, unmasked_end,
         stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd, stride_tw,
-        d, d_mask, False, BLOCK_SIZE, BLOCK_N, UPCAST,
+        d, d_mask, k_scale_ptr, v_scale_ptr, stride_ksb, stride_kso, stride_ksh, stride_vsb, stride_vso, stride_vsh,
+        False, BLOCK_SIZE, BLOCK_N, UPCAST, QUANT,
     )
     acc, m_i, l_i = _attend_tile(
         acc, m_i, l_i, q, qk_scale, query_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
         unmasked_end, key_end,
         stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd, stride_tw,
-        d, d_mask, True, BLOCK_SIZE, BLOCK_N, UPCAST,
+        d, d_mask, k_scale_ptr, v_scale_ptr, stride_ksb, stride_kso, stride_ksh, stride_vsb, stride_vso, stride_vsh,
+        True, BLOCK_SIZE, BLOCK_N, UPCAST, QUANT,
     )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
@@ -141,11 +158,13 @@ def chunked_prefill_attention(
     context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     max_query_len: int | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D] packed chunks (any strides); cu_seqlens_q: [N+1]; context_lens: [N] (cache
+    """q: [T, H, D] packed chunks (any strides); caches may be QuantizedCache (dequantized on the fly); cu_seqlens_q: [N+1]; context_lens: [N] (cache
     tokens after each chunk, the chunk included); block_tables: [N, W]. Pass `max_query_len` to
     avoid a host sync. Returns out [T, H, D] (written into `out` when given)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    k_data, k_scale, k_scale_strides, quant = cache_operands(k_cache)
+    v_data, v_scale, v_scale_strides, _ = cache_operands(v_cache)
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
     num_seqs = context_lens.shape[0]
     if out is None:
@@ -160,11 +179,12 @@ def chunked_prefill_attention(
     block_n = max(block_size, 64)
     grid = (num_seqs, triton.cdiv(max_query_len, queries_per_tile), num_kv_heads)
     _chunked_prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+        q, k_data, v_data, out, cu_seqlens_q, context_lens, block_tables, k_scale, v_scale,
         scale * LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_tables.stride(),
+        *q.stride(), *k_data.stride(), *v_data.stride(), *out.stride(), *block_tables.stride(),
+        *k_scale_strides, *v_scale_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, QUERIES_PER_TILE=queries_per_tile,
         BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n,
-        UPCAST=upcast_for_interpreter(k_cache.dtype), num_warps=4,
+        UPCAST=needs_upcast(q, k_cache), QUANT=quant, num_warps=4,
     )
     return out

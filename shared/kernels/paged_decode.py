@@ -13,17 +13,20 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._triton import upcast_for_interpreter
+from pdserve.kernels._triton import cache_operands, needs_upcast
+from pdserve.kernels.kv_quant import QuantizedCache, dequantized_cache
 
 LOG2E = 1.4426950408889634
 
 
 def paged_decode_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor | QuantizedCache, v_cache: torch.Tensor | QuantizedCache,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    # q: [B, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, W]; context_lens: [B]
+    # q: [B, H, D]; caches: [num_blocks, block_size, Hkv, D] (quantized: dequantized to fp32 first);
+    # block_tables: [B, W]; context_lens: [B]
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    k_cache, v_cache = dequantized_cache(k_cache), dequantized_cache(v_cache)
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         n = int(context_lens[b])
@@ -54,17 +57,28 @@ def choose_num_splits(
 
 
 @triton.jit
+def dequantize_values(x, QUANT: tl.constexpr):
+    # int8 values, or fp8 e4m3 bytes held as int8 (QUANT 2) -> fp32
+    if QUANT == 2:
+        return x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ko, stride_kh, stride_kd,
     stride_vb, stride_vo, stride_vh, stride_vd,
     stride_tb, stride_tw,
     stride_ob, stride_oh, stride_od,
+    stride_ksb, stride_kso, stride_ksh,
+    stride_vsb, stride_vso, stride_vsh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -100,9 +114,17 @@ def _paged_decode_kernel(
         k_rows = block * stride_kb + offset * stride_ko + kv_head * stride_kh  # [N]
         v_rows = block * stride_vb + offset * stride_vo + kv_head * stride_vh
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [N, D]
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if UPCAST:
+        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0)  # [N, D]
+        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0)
+        if QUANT:
+            # dequantize on the fly: values [N, D] times their per-(token, KV head) scale [N]
+            k_s = tl.load(k_scale_ptr + block * stride_ksb + offset * stride_kso + kv_head * stride_ksh,
+                          mask=valid, other=0.0)
+            v_s = tl.load(v_scale_ptr + block * stride_vsb + offset * stride_vso + kv_head * stride_vsh,
+                          mask=valid, other=0.0)
+            k = (dequantize_values(k, QUANT) * k_s.to(tl.float32)[:, None]).to(q.dtype)
+            v = (dequantize_values(v, QUANT) * v_s.to(tl.float32)[:, None]).to(q.dtype)
+        elif UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [G, N], log2 domain
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -165,12 +187,15 @@ def paged_decode_attention(
     context_lens: torch.Tensor, scale: float, max_context_len: int | None = None,
     num_splits: int | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [B, H, D]; caches: [num_blocks, block_size, Hkv, D] (any strides); block_tables: [B, W]
+    """q: [B, H, D]; caches: [num_blocks, block_size, Hkv, D] (any strides; or QuantizedCache, dequantized
+    on the fly); block_tables: [B, W]
     (int32/int64, entries past a sequence's blocks are never read); context_lens: [B] (the current
     token included). `max_context_len` only steers the split choice (default: W * block_size, no
     host sync). Returns out [B, H, D] (written into `out` when given)."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    k_data, k_scale, k_scale_strides, quant = cache_operands(k_cache)
+    v_data, v_scale, v_scale_strides, _ = cache_operands(v_cache)
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
     if out is None:
         out = torch.empty_like(q)
@@ -189,12 +214,13 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        q, k_data, v_data, block_tables, context_lens, out, part_out, part_lse, k_scale, v_scale,
         scale * LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        *q.stride(), *k_data.stride(), *v_data.stride(), *block_tables.stride(), *out.stride(),
+        *k_scale_strides, *v_scale_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        UPCAST=upcast_for_interpreter(k_cache.dtype), num_warps=4,
+        UPCAST=needs_upcast(q, k_cache), QUANT=quant, num_warps=4,
     )
     if num_splits > 1:
         _paged_decode_reduce_kernel[(batch, num_heads)](
@@ -205,4 +231,4 @@ def paged_decode_attention(
     return out
 
 
-__all__ = ["choose_num_splits", "paged_decode_attention", "paged_decode_attention_ref"]
+__all__ = ["choose_num_splits", "dequantize_values", "paged_decode_attention", "paged_decode_attention_ref"]

@@ -95,6 +95,23 @@ def paged_inputs(
     )
 
 
+def quantized_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_cache_dtype: str) -> tuple:
+    """The float caches [num_blocks, block_size, Hkv, D] quantized into a byte pool laid out like the
+    engine's (two layers, values then scales per block; layer 1 is returned). -> (k, v) QuantizedCache."""
+    from pdserve.kernels.kv_quant import quantize
+    from pdserve.kvcache.quant import quantized_views
+
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    nbytes = 2 * 2 * block_size * num_kv_heads * (head_dim + 2)
+    pool = torch.zeros(num_blocks, nbytes, dtype=torch.uint8, device=k_cache.device)
+    k_q, v_q = quantized_views(pool, 2, block_size, num_kv_heads, head_dim, kv_cache_dtype)[1]
+    for cache, target in ((k_cache, k_q), (v_cache, v_q)):
+        values, scales = quantize(cache, kv_cache_dtype)
+        target.data.view(torch.uint8).copy_(values.view(torch.uint8))
+        target.scale.copy_(scales)
+    return k_q, v_q
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)

@@ -37,6 +37,7 @@ class KVTransport(ABC):
         self.pool = pool
         self.layout = layout
         self.release = release
+        self.bytes_pulled = 0  # KV wire bytes (headers and blocks, scales included) this side received
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Open listeners or connections."""

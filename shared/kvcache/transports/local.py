@@ -47,5 +47,6 @@ class LocalTransport(KVTransport):
             raise KVTransferError("handoff block ids do not match the export")
         for src, dst in zip(export.block_ids, dest_block_ids):
             self.pool.block_tensor(dst).copy_(export.pool.block_tensor(src))
+        self.bytes_pulled += len(dest_block_ids) * self.pool.block_nbytes
         if export.release is not None:
             await export.release(params.lease_id)

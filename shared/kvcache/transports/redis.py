@@ -173,6 +173,7 @@ class RedisTransport(KVTransport):
                 self.pool.write_block(block_id, payload)
             self.stats.blocks_read += len(payloads)
             self.stats.bytes_read += sum(len(v) for v in values)
+            self.bytes_pulled += sum(len(v) for v in values)
 
     async def lookup_prefix(self, layout_hash: int, block_hashes: Sequence[int]) -> int:
         """How many leading blocks of the chain are stored (the prefix a puller would find)."""

@@ -276,6 +276,7 @@ class UCXTransport(KVTransport):
                 await self._step(received, "receive KV blocks", peer)
                 wire.verify_block_run(header, verified, self.pool.read_blocks(range(first, first + count)))
                 verified += count
+            self.bytes_pulled += header.nbytes + header.payload_nbytes
         finally:
             for received in receives:  # after a failure: the caller aborts the endpoint, which ends them
                 received.cancel()
