@@ -360,6 +360,39 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # freed blocks stay cached until a later allocation evicts them
         assert all(self.bm.hash_to_block[h] == b for b, h in cached.items())
 
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def speculate(self, data):
+        """A decode verifying k drafted tokens, m of them accepted: the scheduler grows speculatively, the
+        engine rolls back to the accepted length; with nothing new needed, the pool is as it was."""
+        seq = data.draw(st.sampled_from(self.seqs))
+        if seq.num_uncomputed_tokens == 0:
+            seq.token_ids.append(data.draw(st.integers(0, 3)))
+        if not self.bm.grow(seq, len(seq)):
+            return
+        k = data.draw(st.integers(1, 9))
+        draft = data.draw(st.lists(st.integers(0, 3), min_size=k, max_size=k))
+        before = self._pool_state()
+        table, length = list(seq.block_table), len(seq)
+        if not self.bm.grow_speculative(seq, length + k):
+            assert seq.block_table == table and self._pool_state() == before
+            return
+        assert len(seq.block_table) == seq.blocks_needed(length + k)
+        num_accepted = data.draw(st.integers(0, k))
+        seq.num_computed_tokens = length + num_accepted
+        self.bm.rollback([(seq, seq.num_computed_tokens)])
+        assert len(seq.block_table) == max(len(table), seq.blocks_needed(seq.num_computed_tokens))
+        assert seq.block_table[: len(table)] == table
+        if len(seq.block_table) == len(table):
+            assert self._pool_state() == before
+        seq.token_ids.extend(draft[:num_accepted] + [data.draw(st.integers(0, 3))])
+        if data.draw(st.booleans()):
+            self._register(seq)
+
+    def _pool_state(self):
+        bm = self.bm
+        return list(bm.free_blocks), dict(bm.hash_to_block), [(b.ref_count, b.hash) for b in bm.blocks]
+
     @rule(n=st.integers(1, 3))
     def lease(self, n):
         if self.bm.can_allocate(n):
@@ -402,6 +435,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.release_blocks(ids)
         assert self.bm.num_free_blocks == self.bm.num_blocks
         assert all(b.ref_count == 0 for b in self.bm.blocks)
+        assert not self.bm.speculative_blocks
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
