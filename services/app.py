@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray.serve import Application
 
 from pdserve.services.kvstore.config import KVStoreConfig
@@ -18,6 +18,7 @@ class SystemConfig(BaseModel):
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     model: str = "tiny"
     transport: Literal["ucx", "redis"] = "ucx"
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = "auto"  # both roles; a role's own override must agree
     redis_url: str | None = None  # None: no Redis tier (ucx transport only, no kvstore)
     prefill: dict[str, Any] = Field(default_factory=dict)  # WorkerConfig overrides
     decode: dict[str, Any] = Field(default_factory=dict)
@@ -25,6 +26,15 @@ class SystemConfig(BaseModel):
     kvstore: dict[str, Any] = Field(default_factory=dict)  # KVStoreConfig overrides
     # OTEL_* variables for every replica (over each process's environment), e.g. an OTLP endpoint
     tracing_env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _roles_share_the_kv_layout(self) -> SystemConfig:
+        roles = {role: {**{"kv_cache_dtype": self.kv_cache_dtype}, **getattr(self, role)} for role in ("prefill", "decode")}
+        prefill, decode = roles["prefill"]["kv_cache_dtype"], roles["decode"]["kv_cache_dtype"]
+        if self.mode == "disaggregated" and prefill != decode:
+            raise ValueError(f"prefill and decode KV cache dtypes differ ({prefill} vs {decode}): "
+                             "their KV layouts would refuse every handoff")
+        return self
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> SystemConfig:
@@ -41,7 +51,8 @@ class SystemConfig(BaseModel):
         return served_model_name(self.model)
 
     def worker(self, role: Literal["prefill", "decode"]) -> WorkerConfig:
-        base: dict[str, Any] = {"model": self.model, "transport": self.transport, "tracing_env": self.tracing_env}
+        base: dict[str, Any] = {"model": self.model, "transport": self.transport, "tracing_env": self.tracing_env,
+                                "kv_cache_dtype": self.kv_cache_dtype}
         if self.redis_url:
             base["redis_url"] = self.redis_url
         if self.transport == "redis" and not self.redis_url:

@@ -26,6 +26,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=9000,
                    help="gRPC API port; Serve's gRPC proxy listens on every interface (0: no gRPC API)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"],
+                   help="KV cache values on both roles: auto (the model dtype, default), int8 or fp8_e4m3")
     p.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
     p.add_argument("--api-key-file", help="require a Bearer key listed in this file (one per line)")
     p.add_argument("--num-cpus", type=int, default=None,
@@ -37,7 +39,7 @@ def _config(args: argparse.Namespace, redis_url: str | None):
     from pdserve.services.app import SystemConfig
 
     base = SystemConfig.from_yaml(args.config).model_dump(exclude_unset=True) if args.config else {}
-    for key in ("model", "mode", "transport"):
+    for key in ("model", "mode", "transport", "kv_cache_dtype"):
         if getattr(args, key):
             base[key] = getattr(args, key)
     base.setdefault("model", DEFAULT_MODEL)

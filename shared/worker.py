@@ -34,6 +34,9 @@ class WorkerConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)  # per-step token budget: the prefill chunk size
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # KV pool values: the model dtype, or int8 / fp8 e4m3 with per-(token, KV head) scales (half the bytes
+    # per block and per handoff); prefill and decode must agree (SystemConfig checks), or every handoff falls back
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = "auto"
     lease_ttl_s: float = Field(30.0, gt=0)
     transport: Literal["ucx", "redis"] = "ucx"
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -67,7 +70,8 @@ class WorkerConfig(BaseModel):
             num_threads=max(1, int(self.num_cpus)),
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               memory_budget_bytes=self.kv_memory_bytes,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       enable_chunked_prefill=self.enable_chunked_prefill),
