@@ -48,6 +48,10 @@ def _bench(args: argparse.Namespace) -> int:
         from pdserve.bench.kvquant import run
 
         result = run(model=args.model, quick=args.quick, seed=args.seed)
+    elif args.target == "kvquant":
+        from pdserve.bench.kvquant import run
+
+        result = run(model=args.model, quick=args.quick, seed=args.seed)
     elif args.target == "transfer":
         from pdserve.bench.transfer import run
 
@@ -92,9 +96,9 @@ def _plan(args: argparse.Namespace) -> int:
         memory_bytes=parse_bytes(args.memory), ttft_slo_s=args.ttft_ms / 1e3, tpot_slo_s=args.tpot_ms / 1e3,
         rate_rps=args.rate, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
         dtype=args.dtype,
-        memory_utilization=args.memory_utilization, block_size=args.block_size,
+        memory_utilization=args.memory_utilization, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
     )
-    hardware = (config, args.dtype, args.flops, args.bandwidth)
+    hardware = (config, args.dtype, args.flops, args.bandwidth, args.kv_cache_dtype)
     prefill, source = latency_model_for(args.profile, "prefill", *hardware)
     decode, _ = latency_model_for(args.profile, "decode", *hardware)
     result = plan(config, inp, prefill, decode, source)
@@ -155,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--memory-utilization", type=float, default=0.9)
     pl.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"], default="auto",
+                    help="KV pool values: the model dtype, or 1 byte plus a float16 scale per token and KV head")
     pl.add_argument("--ttft-ms", type=float, required=True)
     pl.add_argument("--tpot-ms", type=float, required=True)
     pl.add_argument("--profile", default=None, help="profile file from `pdserve profile`")

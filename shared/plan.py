@@ -15,13 +15,16 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel
 from pdserve.models.config import ModelConfig, model_config_from_hf
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# quantized KV caches: bytes per value, and float16 scale bytes per (token, layer, K/V, KV head)
+KV_VALUE_BYTES = {"int8": 1, "fp8_e4m3": 1}
+KV_SCALE_BYTES = 2
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -51,9 +54,13 @@ def load_model_config(source: str) -> ModelConfig:
     return model_config_from_hf(json.loads((path / "config.json" if path.is_dir() else path).read_text()))
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
-    """K and V of every layer: 2 · layers · kv_heads · head_dim · dtype bytes."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+    """K and V of every layer: 2 · layers · kv_heads · head_dim · dtype bytes; quantized (int8, fp8_e4m3):
+    2 · layers · kv_heads · (head_dim · 1 + 2) bytes, a float16 scale per token and KV head included."""
+    rows = 2 * config.num_layers * config.num_kv_heads
+    if kv_cache_dtype == "auto":
+        return rows * config.head_dim * dtype_bytes
+    return rows * (config.head_dim * KV_VALUE_BYTES[kv_cache_dtype] + KV_SCALE_BYTES)
 
 
 def num_parameters(config: ModelConfig) -> int:
@@ -66,22 +73,25 @@ def num_parameters(config: ModelConfig) -> int:
     return config.num_layers * layer + embeddings + h
 
 
-def roofline_model(config: ModelConfig, dtype_bytes: int, flops: float, bandwidth: float) -> LatencyModel:
+def roofline_model(
+    config: ModelConfig, dtype_bytes: int, flops: float, bandwidth: float, kv_cache_dtype: str = "auto"
+) -> LatencyModel:
     """Latency model with no measurements: compute time from `flops` (FLOP/s), memory time from
     `bandwidth` (bytes/s), added rather than overlapped (a pessimistic roofline).
 
     prefill: one pass over the streamed weights, 2·P FLOPs per token (P: parameters outside the
     embedding table), causal attention 4·layers·q_size·(n²/2 + n·cached). decode step: one weight
-    pass, 2·P FLOPs per sequence, and every context token's K/V read once.
+    pass, 2·P FLOPs per sequence, and every context token's K/V read once (at the KV cache dtype's size).
     """
+    kv_bytes = kv_bytes_per_token(config, dtype_bytes, kv_cache_dtype)
     streamed = num_parameters(config) - config.vocab_size * config.hidden_size
     weight_pass = streamed * dtype_bytes / bandwidth
     per_token = 2 * streamed / flops
     attention = 4 * config.num_layers * config.q_size / flops
     return LatencyModel(
         prefill=PrefillModel(a=weight_pass, b=per_token, c=attention / 2, d=attention),
-        decode=DecodeModel(a=weight_pass, b=per_token, c=kv_bytes_per_token(config, dtype_bytes) / bandwidth),
-        kv_bytes_per_token=kv_bytes_per_token(config, dtype_bytes),
+        decode=DecodeModel(a=weight_pass, b=per_token, c=kv_bytes / bandwidth),
+        kv_bytes_per_token=kv_bytes,
     )
 
 
@@ -96,6 +106,7 @@ class PlanInput:
     dtype: str = "float32"
     memory_utilization: float = 0.9  # share of the device memory for weights + KV
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # "int8" | "fp8_e4m3": values of 1 byte plus a float16 scale per token and head
 
 
 @dataclass(frozen=True)
@@ -131,7 +142,7 @@ def plan(
     dtype_bytes = DTYPE_BYTES[inp.dtype]
     params = num_parameters(config)
     weights = params * dtype_bytes
-    per_token = kv_bytes_per_token(config, dtype_bytes)
+    per_token = kv_bytes_per_token(config, dtype_bytes, inp.kv_cache_dtype)
     length = inp.prompt_tokens + inp.output_tokens
     pool = max(0, int(inp.memory_bytes * inp.memory_utilization) - weights)
     block_bytes = per_token * inp.block_size
@@ -178,12 +189,18 @@ def plan(
 
 
 def latency_model_for(args_profile: str | None, role: str, config: ModelConfig, dtype: str,
-                      flops: float | None, bandwidth: float | None) -> tuple[LatencyModel, str]:
+                      flops: float | None, bandwidth: float | None,
+                      kv_cache_dtype: str = "auto") -> tuple[LatencyModel, str]:
+    """A profiled model carries its measured fits; with a quantized `kv_cache_dtype` its KV size per token
+    (the handoff transfer term) becomes the quantized one, while its decode fit stays as measured."""
     if args_profile:
-        return LatencyProfile.load(args_profile).for_role(role), "profile"
+        model = LatencyProfile.load(args_profile).for_role(role)
+        if kv_cache_dtype != "auto":
+            model = replace(model, kv_bytes_per_token=kv_bytes_per_token(config, DTYPE_BYTES[dtype], kv_cache_dtype))
+        return model, "profile"
     if not flops or not bandwidth:
         raise ValueError("without --profile, pass --flops and --bandwidth for a roofline estimate")
-    return roofline_model(config, DTYPE_BYTES[dtype], flops, bandwidth), "roofline"
+    return roofline_model(config, DTYPE_BYTES[dtype], flops, bandwidth, kv_cache_dtype), "roofline"
 
 
 def render(p: Plan, inp: PlanInput) -> str:
@@ -191,7 +208,7 @@ def render(p: Plan, inp: PlanInput) -> str:
     lines = [
         f"latency model: {p.latency_source}",
         f"parameters {p.num_parameters / 1e6:.1f}M, weights {p.weight_bytes / gib:.2f} GiB ({inp.dtype})",
-        f"KV per token {p.kv_bytes_per_token} B, per request "
+        f"KV per token {p.kv_bytes_per_token} B ({inp.kv_cache_dtype}), per request "
         f"({inp.prompt_tokens}+{inp.output_tokens} tokens) "
         f"{p.kv_bytes_per_request / 2**20:.2f} MiB",
         f"KV pool {p.kv_pool_bytes / gib:.2f} GiB: {p.max_kv_tokens} tokens, "
