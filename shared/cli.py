@@ -48,15 +48,15 @@ def _bench(args: argparse.Namespace) -> int:
         from pdserve.bench.kvquant import run
 
         result = run(model=args.model, quick=args.quick, seed=args.seed)
-    elif args.target == "kvquant":
-        from pdserve.bench.kvquant import run
-
-        result = run(model=args.model, quick=args.quick, seed=args.seed)
     elif args.target == "transfer":
         from pdserve.bench.transfer import run
 
         sizes = [1, 16] if args.quick else None
         result = run(sizes_mib=sizes, transports=args.transports.split(",") if args.transports else None)
+    elif args.target == "spec":
+        from pdserve.bench.spec import run
+
+        result = run(quick=args.quick, model=args.model)
     else:
         raise SystemExit(f"unknown bench target {args.target!r}")
     print(json.dumps(result, indent=None if args.json else 2))
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
-    bench.add_argument("target", choices=["engine", "kernels", "kvquant", "transfer", "router"],
+    bench.add_argument("target", choices=["engine", "kernels", "kvquant", "transfer", "router", "spec"],
                        help="router: run by the `pdserve` console script (it needs the services)")
     bench.add_argument("--transports", default=None, help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh")
     bench.add_argument("--json", action="store_true", help="one-line JSON")

@@ -60,12 +60,17 @@ class SpeculativeConfig:
     # ngram: match the last n tokens (n from max down to min) against earlier prompt + output text
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # no drafts in steps with more running sequences than this (verification rows stop being nearly
+    # free once the batch itself fills the matmuls); None: always draft
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,16 @@
 """`pdserve bench spec`: speculative (n-gram) decoding against plain decoding, same model, same run.
 
 Two engines, one with drafts and one without, take turns request by request (batch 1) and then
-run one batch of 16 each. Speedups are ratios of generated tokens per second; every request is greedy,
-so both engines must produce the same tokens (`greedy_identical`).
+run one batch of 16 each; a third engine drafting only up to `disable_by_batch_size` running sequences
+runs the batch of 16 too. Speedups are ratios of generated tokens per second; every request is greedy,
+so all engines must produce the same tokens (`greedy_identical`).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -82,14 +84,14 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
     return [outputs[f"{tag}-{i}"] for i in range(len(prompts))], time.perf_counter() - start
 
 
-def _counters(engine: LLMEngine) -> tuple[int, int]:
-    return engine.num_draft_tokens, engine.num_accepted_tokens
+def _counters(engine: LLMEngine) -> tuple[int, int, int]:
+    return engine.num_draft_tokens, engine.num_accepted_tokens, engine.num_verifications
 
 
 def _compare(plain: LLMEngine, spec: LLMEngine, batches: list[list[list[int]]], max_tokens: int) -> dict:
     """Alternate the engines batch by batch (the order flips each time); tokens/s of each, and spec's counters."""
     seconds, tokens, identical = {"plain": 0.0, "spec": 0.0}, {"plain": 0, "spec": 0}, True
-    drafted0, accepted0 = _counters(spec)
+    drafted0, accepted0, verifications0 = _counters(spec)
     for n, prompts in enumerate(batches):
         results = {}
         order = [("plain", plain), ("spec", spec)] if n % 2 == 0 else [("spec", spec), ("plain", plain)]
@@ -99,24 +101,26 @@ def _compare(plain: LLMEngine, spec: LLMEngine, batches: list[list[list[int]]], 
             seconds[name] += elapsed
             tokens[name] += sum(len(o) for o in out)
         identical &= results["plain"] == results["spec"]
-    drafted, accepted = (a - b for a, b in zip(_counters(spec), (drafted0, accepted0)))
+    drafted, accepted, verifications = (a - b for a, b in zip(_counters(spec), (drafted0, accepted0, verifications0)))
     return {
         "speedup": (tokens["spec"] / seconds["spec"]) / (tokens["plain"] / seconds["plain"]),
         "tok_s_plain": tokens["plain"] / seconds["plain"],
         "tok_s_spec": tokens["spec"] / seconds["spec"],
         "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted": accepted / verifications if verifications else 0.0,
         "draft_tokens": drafted,
         "identical": identical,
     }
 
 
-def run(quick: bool = False, model: str | None = None, num_speculative_tokens: int = 4,
-        prompt_lookup_min: int = 2, prompt_lookup_max: int = 4) -> dict:
+def run(quick: bool = False, model: str | None = None, num_speculative_tokens: int = 8,
+        prompt_lookup_min: int = 2, prompt_lookup_max: int = 4, disable_by_batch_size: int = 8) -> dict:
     model = model or DEFAULT_MODEL
     torch.manual_seed(0)
     speculative = SpeculativeConfig("ngram", num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
-    _log(f"loading {model} twice (with and without speculation)")
+    _log(f"loading {model} three times (without speculation, with, with disable_by_batch_size)")
     plain, spec = _engine(model, None), _engine(model, speculative)
+    capped = _engine(model, replace(speculative, disable_by_batch_size=disable_by_batch_size))
     tok = plain.tokenizer
 
     def chat(text: str) -> list[int]:
@@ -135,6 +139,7 @@ def run(quick: bool = False, model: str | None = None, num_speculative_tokens: i
     _log("batch 16, repetitive")
     batch = [repetitive[i % len(repetitive)] for i in range(16)]
     b16 = _compare(plain, spec, [batch], max_tokens // 2 if quick else 64)
+    b16_capped = _compare(plain, capped, [batch], max_tokens // 2 if quick else 64)
     return {
         "model": served_model_name(model),
         "method": speculative.method,
@@ -144,11 +149,13 @@ def run(quick: bool = False, model: str | None = None, num_speculative_tokens: i
         "speedup_repetitive_b1": round(rep["speedup"], 3),
         "speedup_open_b1": round(opn["speedup"], 3),
         "speedup_repetitive_b16": round(b16["speedup"], 3),
+        f"speedup_repetitive_b16_disable_by_batch_size_{disable_by_batch_size}": round(b16_capped["speedup"], 3),
         "acceptance_rate_repetitive": round(rep["acceptance_rate"], 3),
         "acceptance_rate_open": round(opn["acceptance_rate"], 3),
         "tok_s_repetitive_b1": {"plain": round(rep["tok_s_plain"], 1), "spec": round(rep["tok_s_spec"], 1)},
         "tok_s_open_b1": {"plain": round(opn["tok_s_plain"], 1), "spec": round(opn["tok_s_spec"], 1)},
         "tok_s_repetitive_b16": {"plain": round(b16["tok_s_plain"], 1), "spec": round(b16["tok_s_spec"], 1)},
-        "greedy_identical": rep["identical"] and opn["identical"] and b16["identical"],
+        "mean_accepted_tokens_repetitive": round(rep["mean_accepted"], 2),
+        "greedy_identical": all(r["identical"] for r in (rep, opn, b16, b16_capped)),
         "targets": {"speedup_repetitive_b1": 1.8, "speedup_open_b1": 0.95},
     }

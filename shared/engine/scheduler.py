@@ -129,7 +129,7 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= num_new
         # 3. drafts for the scheduled decodes, from the budget and free blocks everything else left
-        if self.drafter is not None:
+        if self.drafter is not None and self.drafter.is_enabled(len(self.running)):
             for seq in batch.decodes:
                 draft = self.drafter.draft(seq, budget)
                 if draft and self.block_manager.grow_speculative(seq, len(seq) + len(draft)):

@@ -8,14 +8,21 @@ from pdserve.engine.spec.proposer import Proposer, create_proposer
 
 
 class Drafter:
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int,
+        disable_by_batch_size: int | None = None,
+    ) -> None:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
+        self.disable_by_batch_size = disable_by_batch_size
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, max_model_len: int) -> Drafter:
-        return cls(create_proposer(config), config.num_speculative_tokens, max_model_len)
+        return cls(create_proposer(config), config.num_speculative_tokens, max_model_len, config.disable_by_batch_size)
+
+    def is_enabled(self, num_running: int) -> bool:
+        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
 
     def draft(self, seq: Sequence, budget: int) -> list[int]:
         """Draft tokens for a decoding sequence: its verification computes rows at positions
