@@ -159,6 +159,14 @@ class ServingMetrics:
             "pdserve_fallbacks", "Fallbacks from the disaggregated path", [*LABELS, "reason"], registry=r
         )
         self._rejections = Counter("pdserve_rejections", "Requests rejected", [*LABELS, "reason"], registry=r)
+        self._spec_draft = counter("pdserve_spec_draft_tokens", "Draft tokens proposed for verification")
+        self._spec_accepted = counter("pdserve_spec_accepted_tokens", "Draft tokens accepted by the target model")
+        self._spec_verifications = counter("pdserve_spec_verifications", "Decode steps that verified a draft")
+        self._spec_acceptance = gauge("pdserve_spec_acceptance_rate", "Accepted / drafted tokens (0..1), cumulative")
+        self._spec_mean_accepted = gauge(
+            "pdserve_spec_mean_accepted_length", "Draft tokens accepted per verification step, cumulative"
+        )
+        self._spec_totals = [0, 0, 0]  # drafted, accepted, verifications
         if slo is not None:
             r.register(SloCollector(slo, self.labels))
 
@@ -223,6 +231,19 @@ class ServingMetrics:
 
     def add_generation_tokens(self, n: int) -> None:
         self._generation_tokens.inc(n)
+
+    def observe_speculation(self, num_draft_tokens: int, num_accepted_tokens: int, num_verifications: int) -> None:
+        """A request's speculative-decoding counts, once when it ends."""
+        if not num_verifications:
+            return
+        self._spec_draft.inc(num_draft_tokens)
+        self._spec_accepted.inc(num_accepted_tokens)
+        self._spec_verifications.inc(num_verifications)
+        totals = self._spec_totals
+        for i, n in enumerate((num_draft_tokens, num_accepted_tokens, num_verifications)):
+            totals[i] += n
+        self._spec_acceptance.set(totals[1] / totals[0] if totals[0] else 0.0)
+        self._spec_mean_accepted.set(totals[1] / totals[2])
 
     def count_decision(self, decision: str, reason: str, n: int = 1) -> None:
         self._decisions.labels(*self.labels, decision, reason).inc(n)

@@ -50,6 +50,12 @@ QUEUE_SECONDS = "pdserve.queue.seconds"
 PREFILL_CHUNKS = "pdserve.prefill.chunks"
 PROMPT_TOKENS = "pdserve.prompt.tokens"
 TTFT_SECONDS = "pdserve.ttft.seconds"
+# speculative decoding, per request on the decode span
+SPEC_DRAFT_TOKENS = "pdserve.spec.draft_tokens"
+SPEC_ACCEPTED_TOKENS = "pdserve.spec.accepted_tokens"
+SPEC_VERIFICATIONS = "pdserve.spec.verifications"
+SPEC_ACCEPTANCE_RATE = "pdserve.spec.acceptance_rate"
+SPEC_MEAN_ACCEPTED_LENGTH = "pdserve.spec.mean_accepted_length"
 
 # ---- span names for the stages below the request span (which is `chat {model}` etc.)
 SPAN_ROUTE = "pdserve.route"
@@ -61,6 +67,16 @@ SPAN_DECODE = "pdserve.decode"
 # ---- span event names
 EVENT_FIRST_TOKEN = "pdserve.first_token"
 EVENT_FALLBACK = "pdserve.fallback"
+
+
+def speculation_attributes(num_draft_tokens: int, num_accepted_tokens: int, num_verifications: int) -> dict:
+    """A request's speculative decoding, for its decode span."""
+    return {
+        SPEC_DRAFT_TOKENS: num_draft_tokens, SPEC_ACCEPTED_TOKENS: num_accepted_tokens,
+        SPEC_VERIFICATIONS: num_verifications,
+        SPEC_ACCEPTANCE_RATE: num_accepted_tokens / num_draft_tokens if num_draft_tokens else 0.0,
+        SPEC_MEAN_ACCEPTED_LENGTH: num_accepted_tokens / num_verifications if num_verifications else 0.0,
+    }
 
 
 def operation_name(chat: bool) -> str:

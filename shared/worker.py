@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.kvcache.handoff import engine_layout, engine_pool
 from pdserve.kvcache.transports import KVTransport, create_transport
@@ -19,6 +19,21 @@ UCX_HOST_ENV = "PDSERVE_UCX_HOST"
 # Measured here (pdserve bench router, 2 cores, tiny): no gain (added TTFT p50 29.7 ms with, 25.3 ms without;
 # TPOT ratio 1.73 both), so replicas keep Serve's defaults; WorkerConfig.serve_env opts in.
 SERVE_LATENCY_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
+class SpeculativeSettings(BaseModel):
+    """Speculative decoding for a role's engine (pdserve.config.SpeculativeConfig); set it on decode."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(8, ge=1, le=32)
+    prompt_lookup_min: int = Field(2, ge=1)
+    prompt_lookup_max: int = Field(4, ge=1)
+    disable_by_batch_size: int | None = Field(8, ge=1)
+
+    def engine_config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(**self.model_dump())
 
 
 class WorkerConfig(BaseModel):
@@ -60,6 +75,8 @@ class WorkerConfig(BaseModel):
     stream_interval_ms: float = Field(0.0, ge=0, le=10_000)
     # environment of the replica process (Ray Serve settings, e.g. SERVE_LATENCY_ENV); {}: Serve's defaults
     serve_env: dict[str, str] = Field(default_factory=dict)
+    # n-gram speculative decoding in this role's engine (decode); None: off
+    speculative: SpeculativeSettings | None = None
 
     def resolved_ucx_host(self) -> str:
         return self.ucx_host or os.environ.get(UCX_HOST_ENV) or "127.0.0.1"
@@ -75,6 +92,7 @@ class WorkerConfig(BaseModel):
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       enable_chunked_prefill=self.enable_chunked_prefill),
+            speculative=None if self.speculative is None else self.speculative.engine_config(),
         )
 
     def actor_options(self) -> dict[str, Any]:

@@ -49,6 +49,7 @@ class DecodeDeployment(WorkerEndpoints):
         span = tracing.start_span(ta.SPAN_DECODE, context=self.telemetry.parent(request),
                                   attributes={ta.DECODE_REPLICA: self.telemetry.replica})
         num_tokens = 0
+        spec_counts = (0, 0, 0)  # drafted, accepted, verification steps: cumulative on every delta
         try:
             if handoff is not None:
                 if first_token_id is None:
@@ -70,10 +71,14 @@ class DecodeDeployment(WorkerEndpoints):
                         span.set_attributes({ta.QUEUE_SECONDS: queue, ta.PREFILL_CHUNKS: delta.num_prefill_chunks,
                                              "pdserve.decode.first_step_seconds": time.monotonic() - start})
                     num_tokens += len(delta.token_ids)
+                    spec_counts = (delta.num_draft_tokens, delta.num_accepted_tokens, delta.num_verifications)
                     yield dataclasses.asdict(delta)
         finally:
             metrics.observe_decode(time.monotonic() - start)
             metrics.add_generation_tokens(num_tokens)
+            if spec_counts[2]:
+                metrics.observe_speculation(*spec_counts)
+                span.set_attributes(ta.speculation_attributes(*spec_counts))
             span.set_attribute("pdserve.decode.tokens", num_tokens)
             span.end()
 

@@ -180,7 +180,11 @@ class LLMEngine:
         # accepted draft tokens keep their K/V; the rejected ones' slots are dropped with their blocks.
         # Blocks are hashed once the tokens are appended (_postprocess_verified).
         for result in verified:
-            result.seq.num_computed_tokens += 1 + result.num_accepted
+            seq = result.seq
+            seq.num_computed_tokens += 1 + result.num_accepted
+            seq.num_draft_tokens += result.num_draft_tokens
+            seq.num_accepted_tokens += result.num_accepted
+            seq.num_verifications += 1
             self.num_draft_tokens += result.num_draft_tokens
             self.num_accepted_tokens += result.num_accepted
             self.num_verifications += 1
@@ -237,6 +241,8 @@ class LLMEngine:
             num_prefill_chunks=seq.num_prefill_chunks,
             prompt_logprobs=None if prompt is None else tuple(lp for lp, _ in prompt),
             prompt_top_logprobs=None if prompt is None else tuple(top for _, top in prompt),
+            num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens,
+            num_verifications=seq.num_verifications,
         )
 
     def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> tuple[str | None, str | int | None, str]:
@@ -281,6 +287,9 @@ class LLMEngine:
             prefix_queried_tokens=self.block_manager.num_prefix_queried_tokens,
             num_preemptions=self.num_preemptions,
             num_expired_leases=self.num_expired_leases,
+            num_spec_draft_tokens=self.num_draft_tokens,
+            num_spec_accepted_tokens=self.num_accepted_tokens,
+            num_spec_verifications=self.num_verifications,
         )
 
 

@@ -65,6 +65,10 @@ class TokenDelta:
     # the first None (nothing precedes it)
     prompt_logprobs: tuple[float | None, ...] | None = None
     prompt_top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
+    # speculative decoding so far in this request (cumulative): drafted, accepted, verification steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,3 +88,6 @@ class EngineStats:
     prefix_queried_tokens: int
     num_preemptions: int
     num_expired_leases: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_verifications: int = 0

@@ -41,6 +41,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     num_prefill_chunks: int = 0  # engine steps that ran part of this prompt
     num_deltas: int = 0  # TokenDeltas emitted (an adopted sequence starts past its first token)
+    num_draft_tokens: int = 0  # speculative decoding: drafted, accepted, verification steps
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0
     # (logprob of prompt token i, its top alternatives) for i < len(list); position 0 has neither.
     # None: not asked for, or computed elsewhere (an adopted sequence: the prefill engine has them).
     prompt_logprobs: list[tuple[float | None, tuple[tuple[int, float], ...] | None]] | None = None

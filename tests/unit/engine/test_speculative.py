@@ -175,9 +175,14 @@ def test_adopted_kv_then_speculation(tiny_dir, plain, spec):
         before = spec.num_verifications
         spec.add_request(GenerationRequest("d", prompt, params, adopt_lease_id=handoff.lease_id,
                                            first_token_id=first.token_ids[0]))
-        tokens = list(first.token_ids)
+        tokens, last = list(first.token_ids), None
         while spec.has_unfinished():
-            tokens.extend(t for d in spec.step() for t in d.token_ids)
+            for delta in spec.step():
+                tokens.extend(delta.token_ids)
+                last = delta
         assert tokens == want.token_ids
         assert spec.num_verifications > before
+        # the request's own counts ride on its deltas (cumulative), the engine's on its stats
+        assert 0 < last.num_verifications <= last.num_draft_tokens and last.num_accepted_tokens <= last.num_draft_tokens
+        assert spec.stats().num_spec_verifications == spec.num_verifications
     assert spec.block_manager.num_free_blocks == spec.block_manager.num_blocks
