@@ -189,3 +189,19 @@ def test_int8_handoff_between_engines_matches_plain_int8_generation(tiny_dir):
             await e.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANT)
+def test_prefix_cache_hits_and_preemption_read_the_same_quantized_blocks(tiny_dir, kv_cache_dtype):
+    llm = LLM(EngineConfig(model=str(tiny_dir), device="cpu", dtype="float32",
+                           cache=CacheConfig(num_blocks=NUM_BLOCKS, kv_cache_dtype=kv_cache_dtype)))
+    (first,) = llm.generate([list(PROMPT)], GREEDY)
+    (again,) = llm.generate([list(PROMPT)], GREEDY)
+    assert again.num_cached_tokens >= 32 and again.token_ids == first.token_ids
+    # a pool too small for all four at once preempts (recompute) and must still give the same tokens
+    small = LLM(EngineConfig(model=str(tiny_dir), device="cpu", dtype="float32",
+                             cache=CacheConfig(num_blocks=8, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)))
+    (expected,) = llm.generate([list(PROMPT[:32])], GREEDY)
+    outs = small.generate([list(PROMPT[:32])] * 4, GREEDY)  # 4 x 2 blocks admitted, each grows to a third
+    assert all(o.token_ids == expected.token_ids for o in outs)
+    assert small.engine.num_preemptions > 0
