@@ -66,12 +66,17 @@ class SystemConfig(BaseModel):
 
 
 def build_system(config: SystemConfig) -> Application:
+    """One app: the router is its only ingress (direct ingress gives each ingress a port of its own), and
+    the kvstore, when there is a Redis tier, a deployment inside it."""
     from pdserve.services.decode.app import build_app as build_decode
+    from pdserve.services.kvstore.app import build_app as build_kvstore
     from pdserve.services.prefill.app import build_app as build_prefill
     from pdserve.services.router.app import build_app as build_router
 
     decode = build_decode(config.worker("decode"))
     prefill = build_prefill(config.worker("prefill")) if config.mode == "disaggregated" else None
+    kv = config.kvstore_config()
+    kvstore = build_kvstore(kv) if kv is not None else None
     router = {"model": config.model, "served_model_name": config.served_model_name, "mode": config.mode,
               "tracing_env": config.tracing_env, **config.router}
-    return build_router(router, prefill, decode)
+    return build_router(router, prefill, decode, kvstore)

@@ -166,7 +166,7 @@ def _start_sink(sink: list) -> dict[str, str]:
 
 def _routed(
     prompts, concurrencies, num_requests, max_tokens, env: dict[str, str], tracing=None,
-    streaming: dict[str, Any] | None = None,
+    streaming: dict[str, Any] | None = None, ingress: str = "direct", grpc_handles: bool = True,
 ) -> dict[str, dict[str, Any]]:
     import httpx
     import ray
@@ -175,9 +175,12 @@ def _routed(
     from pdserve.engine.async_engine import AsyncLLMEngine
     from pdserve.redis_server import free_port
     from pdserve.services.app import SystemConfig, build_system
+    from pdserve.services.ingress import app_ports, serve_env
     from pdserve.worker import WorkerConfig
 
-    port = free_port()
+    port, direct_port = free_port(), free_port()
+    ports = range(direct_port, direct_port + 3)  # direct ingress: a port per app deployed at once
+    os.environ.update(serve_env(ingress, direct_port, None, grpc_handles, len(ports)))
     streaming = streaming or {}
     worker = {"num_cpus": 1, "num_blocks": 512, **streaming}
     router_streaming = {k: v for k, v in streaming.items() if k in ("stream_coalesce", "stream_interval_ms")}
@@ -197,13 +200,17 @@ def _routed(
                                               **router_streaming})
                 serve.run(build_system(config), name=name, route_prefix=f"/{name}")
                 _log(f"{name}: deployed")
+            urls = {name: f"http://127.0.0.1:{port}/{name}" for name, _, _ in group}
+            if ingress == "direct":
+                found = app_ports("127.0.0.1", ports)
+                urls = {name: f"http://127.0.0.1:{found[name]}/{name}" for name, _, _ in group}
 
             async def run(group=group) -> list[dict[str, Any]]:
                 engine = AsyncLLMEngine.from_config(WorkerConfig(num_cpus=1).engine_config())
                 try:
                     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
                         ones = [_direct_one(engine, max_tokens)] + [
-                            _http_one(client, f"http://127.0.0.1:{port}/{name}", max_tokens) for name, _, _ in group]
+                            _http_one(client, urls[name], max_tokens) for name, _, _ in group]
                         return await _levels(_alternating(ones), prompts, concurrencies, num_requests, len(ones))
                 finally:
                     await engine.close()
@@ -223,14 +230,14 @@ def _routed(
 def run(
     num_requests: int = 64, concurrencies: tuple[int, ...] = (1, 16), prompt_tokens: int = 16,
     max_tokens: int = 64, seed: int = 0, env: dict[str, str] | None = None, tracing: bool = False,
-    streaming: dict[str, Any] | None = None,
+    streaming: dict[str, Any] | None = None, ingress: str = "direct", grpc_handles: bool = True,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(0, 256) for _ in range(prompt_tokens)] for _ in range(16)]
     sink: list = []  # started after Ray: a live gRPC server in this process breaks Ray's fork of its raylet
     try:
         routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {},
-                         (lambda: _start_sink(sink)) if tracing else None, streaming)
+                         (lambda: _start_sink(sink)) if tracing else None, streaming, ingress, grpc_handles)
     except BaseException:
         if sink:
             sink[0].stop(grace=None)
@@ -239,7 +246,7 @@ def run(
     result: dict[str, Any] = {
         "bench": "router", "model": "tiny", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "prompt_tokens": prompt_tokens, "output_tokens": max_tokens, "env": env or {},
-        "streaming": streaming or {},
+        "streaming": streaming or {}, "ingress": ingress, "grpc_handles": grpc_handles,
     }
     if sink:
         result["otlp_exports_received"] = sink[2]["exports"]
@@ -308,6 +315,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stream-interval-ms", type=float, default=0.0, help="cap stream messages at one per interval")
     p.add_argument("--serve-latency-env", action="store_true",
                    help="workers run user code and the handle router on their event loop (SERVE_LATENCY_ENV)")
+    p.add_argument("--ingress", choices=["direct", "proxy"], default="direct",
+                   help="how HTTP reaches the router (pdserve serve's default: direct)")
+    p.add_argument("--no-grpc-handles", action="store_true",
+                   help="deployments call each other as Ray actor calls, not Serve's gRPC (attribution)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     streaming: dict[str, Any] = {"stream_coalesce": not args.no_coalesce, "stream_interval_ms": args.stream_interval_ms}
@@ -317,6 +328,7 @@ def main(argv: list[str]) -> int:
         streaming["serve_env"] = dict(SERVE_LATENCY_ENV)
     env = dict(item.split("=", 1) for item in args.env)
     result = run(args.requests, tuple(int(c) for c in args.concurrency.split(",")), args.prompt_tokens,
-                 args.output_tokens, args.seed, env, args.tracing, streaming)
+                 args.output_tokens, args.seed, env, args.tracing, streaming, args.ingress,
+                 not args.no_grpc_handles)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

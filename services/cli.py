@@ -30,6 +30,9 @@ def _serve_parser() -> argparse.ArgumentParser:
                    help="KV cache values on both roles: auto (the model dtype, default), int8 or fp8_e4m3")
     p.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
     p.add_argument("--api-key-file", help="require a Bearer key listed in this file (one per line)")
+    p.add_argument("--ingress", choices=["direct", "proxy"], default="direct",
+                   help="direct (default): HTTP and gRPC served inside the router replica; proxy: through "
+                   "Serve's proxy actor (one more hop per stream message; needed for several router replicas)")
     p.add_argument("--num-cpus", type=int, default=None,
                    help="CPUs for the local Ray instance (default: all); router, prefill and decode share them")
     return p
@@ -53,6 +56,21 @@ def _config(args: argparse.Namespace, redis_url: str | None):
     if args.api_key_file:
         base.setdefault("router", {})["api_keys_file"] = str(Path(args.api_key_file).resolve())
     return SystemConfig.model_validate(base)
+
+
+def _ingress(args: argparse.Namespace, config) -> str:
+    """The ingress mode to run, with Serve's settings for it put into this process's environment, which
+    `ray.init` hands to every Ray worker."""
+    import os
+
+    from pdserve.services.ingress import serve_env
+
+    ingress = args.ingress
+    if ingress == "direct" and config.router.get("num_replicas", 1) > 1:
+        print("several router replicas share one port only through Serve's proxy: --ingress proxy", flush=True)
+        ingress = "proxy"
+    os.environ.update(serve_env(ingress, args.port, args.grpc_port))
+    return ingress
 
 
 def _wait_running(names: list[str], stop: threading.Event, poll_s: float = 0.5) -> bool:
@@ -86,7 +104,8 @@ def serve_main(argv: list[str]) -> int:
         from pdserve.redis_server import RedisServer, find_server_binary
         from pdserve.services.app import build_system
         from pdserve.services.cpu_shares import Unschedulable, check_labels, fit_cpu_shares
-        from pdserve.services.kvstore.app import build_app as build_kvstore
+        from pdserve.redis_server import free_port
+        from pdserve.services.ingress import routes_at
         from pdserve.v1 import SERVICER_FUNCTION
 
         redis_url = args.redis_url
@@ -99,6 +118,7 @@ def serve_main(argv: list[str]) -> int:
         config = _config(args, redis_url)
         if stop.is_set():
             return _stopped()
+        ingress = _ingress(args, config)
         # address="local": always a fresh instance of our own, never an unrelated cluster found on the host
         ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False)
         ray_started = True
@@ -112,20 +132,21 @@ def serve_main(argv: list[str]) -> int:
         config = shares.apply(config)
         if stop.is_set():
             return _stopped()
-        grpc_options = (gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION])
+        # direct ingress: Serve's proxy listens on ports of its own, unannounced; the router on the user's
+        http_port, grpc_port = (free_port(), free_port()) if ingress == "direct" else (args.port, args.grpc_port)
+        grpc_options = (gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION])
                         if args.grpc_port else None)
-        serve.start(http_options={"host": args.host, "port": args.port}, grpc_options=grpc_options)
-        names = []
-        if (kv := config.kvstore_config()) is not None:
-            serve._run(build_kvstore(kv), name="kvstore", route_prefix=None, _blocking=False)
-            names.append("kvstore")
+        serve.start(http_options={"host": args.host, "port": http_port}, grpc_options=grpc_options)
         serve._run(build_system(config), name="pdserve", route_prefix="/", _blocking=False)
-        names.append("pdserve")
         print(f"loading {config.model} in the replicas ...", flush=True)
-        if not _wait_running(names, stop):
+        if not _wait_running(["pdserve"], stop):
             return _stopped()
+        if ingress == "direct" and "pdserve" not in routes_at(args.host, args.port).values():
+            print(f"pdserve serve: the router did not take port {args.port} (in use?)", file=sys.stderr, flush=True)
+            return 1
         url = f"http://{args.host}:{args.port}"
-        print(f"pdserve is serving {config.model} ({config.mode}, {config.transport} transport) at {url}", flush=True)
+        print(f"pdserve is serving {config.model} ({config.mode}, {config.transport} transport, {ingress} ingress) "
+              f"at {url}", flush=True)
         served = config.served_model_name
         print(f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"model\": "
               f"\"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of "

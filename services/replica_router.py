@@ -1,8 +1,8 @@
 """Serve's request routing for prefill and decode calls: the replica the placement chose, if any.
 
-The router's placement (a pure function over replica stats) names a replica in the request dict
-(`request["replica"]`); this RequestRouter, configured on the worker deployments, sends the call
-there. A call without one, or naming a replica that is gone, goes to the least-loaded candidate by
+The router's placement (a pure function over replica stats) names a replica in the call's
+`WorkerRequest.replica` (or, for the workers' own endpoints, a `{"replica": ...}` mapping); this
+RequestRouter, configured on the worker deployments, sends the call there. A call without one, or naming a replica that is gone, goes to the least-loaded candidate by
 the replicas' own routing stats (running + waiting), ties broken at random.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from pdserve.contract import WorkerRequest
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 ROUTER_CLASS_PATH = "pdserve.services.replica_router.PlacementRequestRouter"
@@ -20,6 +21,8 @@ def target_replica(pending_request: PendingRequest | None) -> str | None:
     if pending_request is None or not pending_request.args:
         return None
     request = pending_request.args[0]
+    if isinstance(request, WorkerRequest):
+        return request.replica
     return request.get("replica") if isinstance(request, dict) else None
 
 

@@ -34,9 +34,9 @@ class Telemetry:
                                       replica=self.replica)
         self.metrics = ServingMetrics(role, self.replica, model, slo=slo)
 
-    def parent(self, request: Mapping[str, Any]):
-        """The trace context a caller sent in `request["trace"]` (W3C carrier), or a fresh root."""
-        return self.tracing.extract(request.get("trace") or {})
+    def parent(self, carrier: Mapping[str, str] | None):
+        """The trace context a caller sent (a W3C carrier, `WorkerRequest.trace`), or a fresh root."""
+        return self.tracing.extract(carrier or {})
 
     def worker_snapshot(self, stats) -> dict[str, Any]:
         """Gauges refreshed from EngineStats, then this replica's metrics as plain data."""

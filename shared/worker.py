@@ -12,7 +12,6 @@ from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.kvcache.handoff import engine_layout, engine_pool
 from pdserve.kvcache.transports import KVTransport, create_transport
 from pdserve.kvcache.transports.ucx_env import UCXConfig
-from pdserve.sampling_params import params_from_dict, params_to_dict  # noqa: F401 - re-exported
 
 UCX_HOST_ENV = "PDSERVE_UCX_HOST"
 # Ray Serve LLM's replica settings (user code and the handle's router on the replica's own event loop).

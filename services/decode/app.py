@@ -12,16 +12,16 @@ from opentelemetry import trace
 from ray import serve
 from ray.serve import Application
 
+from pdserve.contract import DecodeEvent, FallbackNotice, HandoffParams, TokenBatch, WorkerRequest
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.coalesce import coalesced
 from pdserve.engine.outputs import GenerationRequest
 from pdserve import trace_attributes as ta
 from pdserve.kvcache.handoff import KVImporter, engine_layout
-from pdserve.kvcache.params import HandoffParams
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.telemetry import Telemetry
-from pdserve.worker import WorkerConfig, build_transport, params_from_dict
+from pdserve.worker import WorkerConfig, build_transport
 
 
 @serve.deployment(name="decode")
@@ -34,19 +34,18 @@ class DecodeDeployment(WorkerEndpoints):
         self.block_nbytes = engine_layout(self.engine).block_nbytes
 
     async def generate(
-        self, request: dict[str, Any], handoff: dict[str, Any] | None = None, first_token_id: int | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Streams TokenDelta dicts. With a handoff the first token came from prefill and is not repeated.
-        A failed import is reported as a `fallback` event (never silently) and this worker prefills
+        self, request: WorkerRequest, handoff: HandoffParams | None = None, first_token_id: int | None = None
+    ) -> AsyncIterator[DecodeEvent]:
+        """Streams token batches. With a handoff the first token came from prefill and is not repeated.
+        A failed import is announced by a FallbackNotice (never silent) and this worker prefills
         locally, continuing from the prompt plus prefill's first token, so the stream stays consistent
-        (those events then count the first token in num_prompt_tokens)."""
-        prompt = tuple(request["prompt_token_ids"])
-        params = params_from_dict(request["params"])
-        gen = GenerationRequest(request["request_id"], prompt, params, priority=request.get("priority", 0),
-                                max_prefill_chunk=request.get("max_prefill_chunk"))
+        (those batches then count the first token in num_prompt_tokens)."""
+        prompt = request.prompt_token_ids
+        gen = GenerationRequest(request.request_id, prompt, request.params, priority=request.priority,
+                                max_prefill_chunk=request.max_prefill_chunk)
         tracing, metrics = self.telemetry.tracing, self.telemetry.metrics
         start = time.monotonic()
-        span = tracing.start_span(ta.SPAN_DECODE, context=self.telemetry.parent(request),
+        span = tracing.start_span(ta.SPAN_DECODE, context=self.telemetry.parent(request.trace),
                                   attributes={ta.DECODE_REPLICA: self.telemetry.replica})
         num_tokens = 0
         spec_counts = (0, 0, 0)  # drafted, accepted, verification steps: cumulative on every delta
@@ -54,7 +53,7 @@ class DecodeDeployment(WorkerEndpoints):
             if handoff is not None:
                 if first_token_id is None:
                     raise ValueError("a handoff needs the first token prefill produced")
-                gen, fallback = await self._import(gen, HandoffParams.from_dict(handoff), first_token_id, span)
+                gen, fallback = await self._import(gen, handoff, first_token_id, span)
                 if fallback is not None:
                     yield fallback
             else:
@@ -72,7 +71,7 @@ class DecodeDeployment(WorkerEndpoints):
                                              "pdserve.decode.first_step_seconds": time.monotonic() - start})
                     num_tokens += len(delta.token_ids)
                     spec_counts = (delta.num_draft_tokens, delta.num_accepted_tokens, delta.num_verifications)
-                    yield dataclasses.asdict(delta)
+                    yield TokenBatch.of(delta)
         finally:
             metrics.observe_decode(time.monotonic() - start)
             metrics.add_generation_tokens(num_tokens)
@@ -84,11 +83,11 @@ class DecodeDeployment(WorkerEndpoints):
 
     async def _import(
         self, gen: GenerationRequest, params: HandoffParams, first_token_id: int, span
-    ) -> tuple[GenerationRequest, dict[str, Any] | None]:
+    ) -> tuple[GenerationRequest, FallbackNotice | None]:
         """The request adopting the pulled KV, or, on a failed import, one that prefills locally and
         continues from the prompt plus prefill's first token, so the stream stays consistent (its events
-        then count that token in num_prompt_tokens), with the `fallback` event for the router. A fallback
-        is never silent: it is counted, traced, and announced."""
+        then count that token in num_prompt_tokens), with the notice for the router. A fallback is never
+        silent: it is counted, traced, and announced. The local request keeps its placement fields."""
         nbytes = len(params.block_ids) * self.block_nbytes
         attributes = {ta.KV_TRANSPORT: params.transport, ta.KV_BLOCKS: len(params.block_ids), ta.KV_BYTES: nbytes}
         start = time.monotonic()
@@ -105,8 +104,8 @@ class DecodeDeployment(WorkerEndpoints):
         span.add_event(ta.EVENT_FALLBACK, {ta.FALLBACK_REASON: result.fallback_reason, "error": result.error or ""})
         rest = dataclasses.replace(gen.params, max_tokens=gen.params.max_tokens - 1,
                                    min_tokens=max(0, gen.params.min_tokens - 1))
-        local = GenerationRequest(gen.request_id, (*gen.prompt_token_ids, first_token_id), rest)
-        return local, {"fallback": result.fallback_reason, "error": result.error}
+        local = dataclasses.replace(gen, prompt_token_ids=(*gen.prompt_token_ids, first_token_id), params=rest)
+        return local, FallbackNotice(result.fallback_reason, result.error)
 
     def fallbacks(self) -> dict[str, int]:
         return dict(self.importer.fallbacks)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
+from pdserve.contract import HandoffParams, PrefillResult, TokenBatch, WorkerRequest
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.outputs import GenerationRequest
 from pdserve import trace_attributes as ta
@@ -15,7 +17,7 @@ from pdserve.kvcache.handoff import KVExporter
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.telemetry import Telemetry
-from pdserve.worker import WorkerConfig, build_transport, params_from_dict
+from pdserve.worker import WorkerConfig, build_transport
 
 
 @serve.deployment(name="prefill")
@@ -33,16 +35,13 @@ class PrefillDeployment(WorkerEndpoints):
             await self.transport.start()
             self._started = True
 
-    async def prefill(self, request: dict[str, Any]) -> dict[str, Any]:
-        """request: request_id, prompt_token_ids, params (SamplingParams fields)."""
+    async def prefill(self, request: WorkerRequest) -> PrefillResult:
         await self._start()
-        gen = GenerationRequest(
-            request["request_id"], tuple(request["prompt_token_ids"]), params_from_dict(request["params"]),
-            prefill_only=True, priority=request.get("priority", 0), max_prefill_chunk=request.get("max_prefill_chunk"),
-        )
+        gen = GenerationRequest(request.request_id, request.prompt_token_ids, request.params, prefill_only=True,
+                                priority=request.priority, max_prefill_chunk=request.max_prefill_chunk)
         start = time.monotonic()
         metrics = self.telemetry.metrics
-        with self.telemetry.tracing.span(ta.SPAN_PREFILL, context=self.telemetry.parent(request),
+        with self.telemetry.tracing.span(ta.SPAN_PREFILL, context=self.telemetry.parent(request.trace),
                                          attributes={ta.PREFILL_REPLICA: self.telemetry.replica}) as span:
             (delta,) = [d async for d in self.engine.generate(gen)]
             elapsed = time.monotonic() - start
@@ -56,21 +55,17 @@ class PrefillDeployment(WorkerEndpoints):
             metrics.observe_prefill(elapsed - queue)
             metrics.add_prompt_tokens(delta.num_prompt_tokens)
             metrics.add_prefix_cache_hit_tokens(delta.num_cached_tokens)
-            handoff = None
+            handoff: HandoffParams | None = None
             if delta.kv_handoff is not None:
                 try:
-                    handoff = (await self.exporter.export(delta.kv_handoff)).to_dict()
+                    handoff = await self.exporter.export(delta.kv_handoff)
                 except BaseException:  # cancelled (client gone) or failed: nobody will ever pull this lease
                     await self.abort(delta.kv_handoff.lease_id)
                     raise
                 span.set_attribute(ta.KV_BLOCKS, len(delta.kv_handoff.block_ids))
-        return {
-            "first_token_id": delta.token_ids[0], "text": delta.text, "finish_reason": delta.finish_reason,
-            "logprobs": delta.logprobs, "top_logprobs": delta.top_logprobs,
-            "prompt_logprobs": _plain(delta.prompt_logprobs),
-            "prompt_top_logprobs": _plain(delta.prompt_top_logprobs),
-            "num_cached_tokens": delta.num_cached_tokens, "handoff": handoff, "replica": self.telemetry.replica,
-        }
+        # the engine ends a prefill-only request at its first token; the request itself ends only on a reason
+        first = dataclasses.replace(TokenBatch.of(delta), finished=delta.finish_reason is not None)
+        return PrefillResult(first, handoff, self.telemetry.replica)
 
     async def abort(self, lease_id: str) -> bool:
         """Drop an export whose decode side will never pull it (client gone before transfer)."""
@@ -78,10 +73,6 @@ class PrefillDeployment(WorkerEndpoints):
         if forget is not None:
             forget(lease_id)
         return await self.engine.release_lease(lease_id)
-
-
-def _plain(values: tuple | None) -> list | None:
-    return None if values is None else list(values)
 
 
 def build_app(config: WorkerConfig | dict[str, Any]) -> Application:

@@ -10,7 +10,7 @@ from typing import Any
 
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.sampling_params import SamplingParams, params_to_dict  # noqa: F401 - re-exported
+from pdserve.sampling_params import SamplingParams
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.errors import APIError, bad_request, from_validation_error
 from pydantic import ValidationError

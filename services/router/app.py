@@ -96,12 +96,14 @@ def _app_name() -> str:
 @serve.ingress(fastapi_app)
 class RouterDeployment(GrpcServiceMixin, DispatchMixin):
     def __init__(
-        self, config: dict[str, Any], prefill: DeploymentHandle | None, decode: DeploymentHandle
+        self, config: dict[str, Any], prefill: DeploymentHandle | None, decode: DeploymentHandle,
+        kvstore: DeploymentHandle | None = None,
     ) -> None:
         self.config = RouterConfig.model_validate(config)
         self.api_keys = self.config.resolved_api_keys()
         self.prefill = prefill
         self.decode = decode
+        self.kvstore = kvstore  # the Redis tier's index, when there is one
         model_dir = resolve_model_path(self.config.model)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.vocab_size = _model_vocab_size(model_dir, self.tokenizer)
@@ -287,9 +289,10 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
 
 
 def build_app(
-    config: RouterConfig | dict[str, Any], prefill_app: Application | None, decode_app: Application
+    config: RouterConfig | dict[str, Any], prefill_app: Application | None, decode_app: Application,
+    kvstore_app: Application | None = None,
 ) -> Application:
-    """The router bound to its prefill (None in colocated mode) and decode applications."""
+    """The router bound to its prefill (None in colocated mode), decode and kvstore (optional) applications."""
     cfg = config if isinstance(config, RouterConfig) else RouterConfig.model_validate(config)
     if cfg.profile_path and cfg.profile is None:  # read here, in the process that builds the app
         cfg = cfg.model_copy(update={"profile": LatencyProfile.load(cfg.profile_path).to_dict()})
@@ -300,4 +303,4 @@ def build_app(
         # headroom over max_inflight, so the router itself sees the overflow and answers 429 at once
         # instead of Serve's proxy queueing it silently
         max_ongoing_requests=cfg.max_inflight + 32,
-    ).bind(cfg.model_dump(), prefill_app if cfg.mode == "disaggregated" else None, decode_app)
+    ).bind(cfg.model_dump(), prefill_app if cfg.mode == "disaggregated" else None, decode_app, kvstore_app)

@@ -3,6 +3,7 @@
 everywhere."""
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -10,8 +11,9 @@ from typing import Any
 
 from opentelemetry import trace
 from pdserve import trace_attributes as ta
+from pdserve.contract import FallbackNotice, PrefillResult, TokenBatch, WorkerRequest
 from pdserve.services.router import openai_api as oa
-from pdserve.services.router.admission import Prepared, params_to_dict
+from pdserve.services.router.admission import Prepared
 from pdserve.services.router.placement import Placement
 
 
@@ -21,8 +23,8 @@ class DispatchMixin:
 
     async def _merged(
         self, request_id: str, p: Prepared, placements: list[Placement], span, meta: oa.ResponseMeta
-    ) -> AsyncIterator[tuple[int, dict]]:
-        """(choice index, event) from the request's choices (placements: one per prompt); closing it cancels
+    ) -> AsyncIterator[tuple[int, TokenBatch]]:
+        """(choice index, token batch) from the request's choices (placements: one per prompt); closing it cancels
         them all (engines abort, KV frees).
         Ends the request's span and records its TTFT/TPOT/E2E and SLO outcome (not for client aborts)."""
         start = time.monotonic()
@@ -34,13 +36,13 @@ class DispatchMixin:
         self._enter()  # here, not at admission: a stream closed before its first step never ran this body
         try:
             async for index, event in self._choices(request_id, p, placements, carrier):
-                count = len(event.get("token_ids") or ())
+                count = len(event.token_ids)
                 if ttft is None and count:
                     ttft = time.monotonic() - start
                     span.add_event(ta.EVENT_FIRST_TOKEN)
                 num_tokens[index] += count
-                if event.get("finished"):
-                    finish_reasons.append(event.get("finish_reason") or "")
+                if event.finished:
+                    finish_reasons.append(event.finish_reason or "")
                 yield index, event
             outcome = True
         except Exception as exc:
@@ -63,7 +65,7 @@ class DispatchMixin:
 
     async def _choices(
         self, request_id: str, p: Prepared, placements: list[Placement], carrier: dict[str, str]
-    ) -> AsyncIterator[tuple[int, dict]]:
+    ) -> AsyncIterator[tuple[int, TokenBatch]]:
         if p.num_choices == 1:
             async with aclosing(self._run_one(request_id, p.prompts[0], p.params, placements[0], carrier)) as one:
                 async for event in one:
@@ -100,39 +102,33 @@ class DispatchMixin:
 
     async def _run_one(
         self, request_id: str, prompt_ids: tuple[int, ...], params, placement: Placement, carrier: dict[str, str]
-    ) -> AsyncIterator[dict[str, Any]]:
-        """`request["replica"]` names the replica placement chose (PlacementRequestRouter honours it)."""
-        request = {"request_id": request_id, "prompt_token_ids": list(prompt_ids), "params": params_to_dict(params),
-                   "trace": carrier, "priority": placement.priority,
-                   "max_prefill_chunk": placement.prefill_chunk_tokens}
-        disaggregate = placement.disaggregate
-        handoff = first_token_id = stream = None
+    ) -> AsyncIterator[TokenBatch]:
+        """One choice's token batches. The request names the replica placement chose (None: Serve's choice),
+        which PlacementRequestRouter honours."""
+        request = WorkerRequest(request_id, prompt_ids, params, placement.priority, placement.prefill_chunk_tokens,
+                                carrier)
+        handoff = stream = None
         finished = imported = False
         try:
-            if disaggregate:
-                first = await self._prefill({**request, "replica": placement.prefill_replica})
-                handoff, first_token_id = first["handoff"], first["first_token_id"]
-                first_token = {"token_ids": [first_token_id], "text": first["text"], "finished": False,
-                               "logprobs": first["logprobs"], "top_logprobs": first["top_logprobs"],
-                               "prompt_logprobs": first.get("prompt_logprobs"),
-                               "prompt_top_logprobs": first.get("prompt_top_logprobs"),
-                               "num_cached_tokens": first.get("num_cached_tokens") or 0}
-                if first["finish_reason"] is not None or handoff is None:
+            if placement.disaggregate:
+                first = await self._prefill(request.to(placement.prefill_replica))
+                handoff = first.handoff
+                if first.first.finished or handoff is None:
                     finished = handoff is None
-                    yield {**first_token, "finished": True, "finish_reason": first["finish_reason"]}
+                    yield dataclasses.replace(first.first, finished=True)
                     return
                 # prefill delivered the prompt logprobs: decode (a fallback included) must not compute them again
-                decode = {**request, "params": {**request["params"], "prompt_logprobs": None},
-                          "replica": placement.decode_replica}
-                stream = self.decode.options(stream=True).generate.remote(decode, handoff, first_token_id)
-                yield first_token
+                decode = dataclasses.replace(request.to(placement.decode_replica),
+                                             params=dataclasses.replace(params, prompt_logprobs=None))
+                stream = self.decode.options(stream=True).generate.remote(decode, handoff, first.first.token_ids[0])
+                yield first.first
             else:
-                stream = self.decode.options(stream=True).generate.remote({**request, "replica": placement.decode_replica})
+                stream = self.decode.options(stream=True).generate.remote(request.to(placement.decode_replica))
             async for event in stream:
-                imported = True
-                if "fallback" in event:  # counted and traced by decode, whose /metrics series carry the reason
+                if isinstance(event, FallbackNotice):  # counted and traced by decode, whose series carry the reason
                     continue
-                finished = bool(event.get("finished"))
+                imported = True
+                finished = event.finished
                 yield event
         finally:
             if not finished:
@@ -140,9 +136,9 @@ class DispatchMixin:
                     stream.cancel()
                 if handoff is not None and not imported:
                     # decode never confirmed the pull: the prefill lease would otherwise wait for its TTL
-                    self._spawn(self.prefill.abort.remote(handoff["lease_id"]))
+                    self._spawn(self.prefill.abort.remote(handoff.lease_id))
 
-    async def _prefill(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def _prefill(self, request: WorkerRequest) -> PrefillResult:
         """The prefill call, shielded: a caller cancelled while it runs (a client gone while other choices
         already stream) lets it finish and frees its lease, which nobody would pull."""
         call = asyncio.ensure_future(self._await(self.prefill.prefill.remote(request)))
@@ -159,9 +155,9 @@ class DispatchMixin:
     def _release_orphan(self, call: asyncio.Future) -> None:
         if call.cancelled() or call.exception() is not None:
             return
-        handoff = call.result().get("handoff")
+        handoff = call.result().handoff
         if handoff is not None:
-            self._spawn(self.prefill.abort.remote(handoff["lease_id"]))
+            self._spawn(self.prefill.abort.remote(handoff.lease_id))
 
     def _spawn(self, response) -> None:
         async def wait() -> None:

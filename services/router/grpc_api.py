@@ -17,7 +17,9 @@ import grpc
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import check_authorization
 from pdserve.services.router.errors import APIError, bad_request
-from pdserve.services.router.streaming import upstream_error
+from pdserve.contract import TokenBatch
+from pdserve.services.router.streaming import singles, by_choice, upstream_error
+from pdserve.streams import batches
 from pdserve.v1 import generate_pb2 as pb
 
 REQUEST_ID_KEY = "x-request-id"
@@ -79,16 +81,15 @@ def request_body(request: pb.GenerateRequest) -> tuple[dict[str, Any], bool]:
 
 
 def response_chunk(
-    meta: oa.ResponseMeta, index: int, event: dict[str, Any], want_logprobs: bool
+    meta: oa.ResponseMeta, index: int, event: TokenBatch, want_logprobs: bool
 ) -> pb.GenerateResponse:
-    token_ids = list(event.get("token_ids") or ())
-    chunk = pb.GenerateResponse(id=meta.id, model=meta.model, index=index, text=event.get("text") or "",
-                                token_ids=token_ids)
-    if event.get("finished"):
-        chunk.finish_reason = event.get("finish_reason") or ""
-    logprobs = list(event.get("logprobs") or ())
+    token_ids = list(event.token_ids)
+    chunk = pb.GenerateResponse(id=meta.id, model=meta.model, index=index, text=event.text, token_ids=token_ids)
+    if event.finished:
+        chunk.finish_reason = event.finish_reason or ""
+    logprobs = list(event.logprobs or ())
     if want_logprobs and token_ids and len(logprobs) == len(token_ids):
-        top = list(event.get("top_logprobs") or ())
+        top = list(event.top_logprobs or ())
         for k, lp in enumerate(logprobs):
             alternatives = top[k] if k < len(top) and top[k] else ()
             top_k = [pb.TopLogprob(token_id=i, logprob=p) for i, p in alternatives]
@@ -130,10 +131,15 @@ class GrpcServiceMixin:
             raise self._grpc_reject(err, "grpc_generate", grpc_context) from None
         self.api_metrics.requests.labels("grpc_generate", "200").inc()
         num_tokens = 0
+        # one message per choice per batch: whatever arrived while the previous message was on its way
+        source = batches(events, self.config.stream_interval_s) if self.config.stream_interval_s is not None else None
         try:
-            async for index, event in events:
-                num_tokens += len(event.get("token_ids") or ())
-                yield response_chunk(meta, index, event, prepared.want_logprobs)
+            async for batch in source if source is not None else singles(events):
+                if source is not None:
+                    batch = by_choice(batch)
+                for index, event in batch:
+                    num_tokens += len(event.token_ids)
+                    yield response_chunk(meta, index, event, prepared.want_logprobs)
             if prepared.include_usage:
                 prompt_tokens = len(prepared.prompt_token_ids)
                 yield pb.GenerateResponse(id=meta.id, model=meta.model, usage=pb.Usage(
@@ -143,6 +149,8 @@ class GrpcServiceMixin:
             err = upstream_error(exc, self.config.retry_after_s)
             raise _abort(grpc_context, grpc_status(err.status), err.message) from None
         finally:
+            if source is not None:
+                await source.aclose()  # first: it reads `events` in a task of its own
             await events.aclose()
 
     async def Models(self, request: pb.ModelsRequest, grpc_context=None) -> pb.ModelsResponse:

@@ -1,6 +1,6 @@
 """OpenAI response bodies and SSE chunks for completions and chat completions.
 
-A `Choice` accumulates one choice's events (TokenDelta dicts); the format functions turn choices and
+A `Choice` accumulates one choice's token batches (`pdserve.contract.TokenBatch`); the format functions turn choices and
 deltas into the exact objects OpenAI returns.
 """
 
@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.contract import TokenBatch
 from pdserve.models.tokenizer import Tokenizer
 
 DONE = b"data: [DONE]\n\n"
@@ -51,18 +52,18 @@ class Choice:
     def __post_init__(self) -> None:
         self.num_echo_chars = len(self.text)
 
-    def add(self, event: dict[str, Any]) -> None:
+    def add(self, event: TokenBatch) -> None:
         if self.num_cached_tokens is None:
-            self.num_cached_tokens = event.get("num_cached_tokens") or 0
-        if self.prompt_token_ids and not self.prompt_logprobs and event.get("prompt_logprobs") is not None:
-            self.prompt_logprobs = list(event["prompt_logprobs"])
-            self.prompt_top_logprobs = _tops(event.get("prompt_top_logprobs"))
-        self.text += event.get("text") or ""
-        self.token_ids.extend(event.get("token_ids") or ())
-        self.logprobs.extend(event.get("logprobs") or ())
-        self.top_logprobs.extend(_tops(event.get("top_logprobs")))
-        if event.get("finished"):
-            self.finish_reason = event.get("finish_reason")
+            self.num_cached_tokens = event.num_cached_tokens
+        if self.prompt_token_ids and not self.prompt_logprobs and event.prompt_logprobs is not None:
+            self.prompt_logprobs = list(event.prompt_logprobs)
+            self.prompt_top_logprobs = _tops(event.prompt_top_logprobs)
+        self.text += event.text
+        self.token_ids.extend(event.token_ids)
+        self.logprobs.extend(event.logprobs or ())
+        self.top_logprobs.extend(_tops(event.top_logprobs))
+        if event.finished:
+            self.finish_reason = event.finish_reason
 
 
 def _tops(values) -> list[list[tuple[int, float]] | None]:
@@ -70,15 +71,14 @@ def _tops(values) -> list[list[tuple[int, float]] | None]:
 
 
 def echo_logprobs(
-    tokenizer: Tokenizer, prompt_ids: tuple[int, ...], event: dict[str, Any], echo: str
+    tokenizer: Tokenizer, prompt_ids: tuple[int, ...], prompt_logprobs, prompt_top_logprobs, echo: str
 ) -> dict[str, Any] | None:
-    """The echoed prompt's part of a completion's logprobs object, from the choice's first event; None without
-    prompt ids or prompt logprobs. Text offsets index `echo`: a special token it does not spell (a BOS the
+    """The echoed prompt's part of a completion's logprobs object, from the prompt logprobs a choice's first
+    batch carried; None without prompt ids or prompt logprobs. Text offsets index `echo`: a special token it does not spell (a BOS the
     tokenizer added to a string prompt) takes no characters."""
-    if not prompt_ids or event.get("prompt_logprobs") is None:
+    if not prompt_ids or prompt_logprobs is None:
         return None
-    out = completion_logprobs(tokenizer, list(prompt_ids), list(event["prompt_logprobs"]),
-                              _tops(event.get("prompt_top_logprobs")), 0)
+    out = completion_logprobs(tokenizer, list(prompt_ids), list(prompt_logprobs), _tops(prompt_top_logprobs), 0)
     if out is not None:
         offsets, pos = [], 0
         for token_id, tok in zip(prompt_ids, out["tokens"]):
@@ -169,8 +169,8 @@ def response_body(
                 lp = chat_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs)
             else:  # generated tokens' offsets start after the echoed prompt's text, if any
                 echo = c.text[: c.num_echo_chars]
-                prompt = {"prompt_logprobs": c.prompt_logprobs or None, "prompt_top_logprobs": c.prompt_top_logprobs}
-                lead = echo_logprobs(tokenizer, c.prompt_token_ids, prompt, echo)
+                lead = echo_logprobs(tokenizer, c.prompt_token_ids, c.prompt_logprobs or None, c.prompt_top_logprobs,
+                                     echo)
                 own = completion_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs, len(echo))
                 lp = merge_logprobs(lead, own)
         if meta.chat:
@@ -197,16 +197,16 @@ def chunk(
 
 
 def choice_chunk(
-    meta: ResponseMeta, index: int, event: dict[str, Any], tokenizer: Tokenizer, want_logprobs: bool,
-    text_offset: int, first: bool, lead: dict[str, Any] | None = None,
+    meta: ResponseMeta, index: int, event: TokenBatch, tokenizer: Tokenizer, want_logprobs: bool,
+    text_offset: int, first: bool, lead: dict[str, Any] | None = None, text: str | None = None,
 ) -> dict[str, Any]:
-    """One choice's part of a stream chunk for one event (TokenDelta dict); `lead` (an echoed prompt's
-    logprobs) goes before the event's own, which start at `text_offset`."""
-    token_ids = list(event.get("token_ids") or ())
-    logprobs = list(event.get("logprobs") or ())
-    top = _tops(event.get("top_logprobs"))
-    text = event.get("text") or ""
-    finish = event.get("finish_reason") if event.get("finished") else None
+    """One choice's part of a stream chunk for one token batch; `lead` (an echoed prompt's logprobs) goes
+    before the batch's own, which start at `text_offset`; `text` replaces the batch's (echo + text)."""
+    token_ids = list(event.token_ids)
+    logprobs = list(event.logprobs or ())
+    top = _tops(event.top_logprobs)
+    text = event.text if text is None else text
+    finish = event.finish_reason if event.finished else None
     if meta.chat:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         lp = chat_logprobs(tokenizer, token_ids, logprobs, top) if want_logprobs and token_ids else None

@@ -1,6 +1,6 @@
 """A request's event stream on its way out: the first event decides the HTTP status, the rest is SSE.
 
-Events are (choice index, TokenDelta dict) pairs. Failures before the first event become a real
+Events are (choice index, TokenBatch) pairs. Failures before the first event become a real
 status (503 with Retry-After for full worker queues); after the 200 went out, an error travels as an
 SSE chunk carrying `error`, followed by `[DONE]`.
 """
@@ -8,15 +8,15 @@ SSE chunk carrying `error`, followed by `[DONE]`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
+from pdserve.contract import TokenBatch
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.streams import batches
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
 from pdserve.services.router.errors import APIError
 
-Event = tuple[int, dict[str, Any]]
+Event = tuple[int, TokenBatch]
 
 
 def upstream_error(exc: BaseException, retry_after_s: int) -> APIError:
@@ -46,7 +46,15 @@ async def first_event(events: AsyncIterator[Event], retry_after_s: int) -> Event
         raise upstream_error(exc, retry_after_s) from None
 
 
-async def _singles(events: AsyncIterator[Event]) -> AsyncIterator[list[Event]]:
+def by_choice(batch: list[Event]) -> list[Event]:
+    """A batch of events with each choice's joined into one, in the order choices first appear."""
+    parts: dict[int, list[TokenBatch]] = {}
+    for index, event in batch:
+        parts.setdefault(index, []).append(event)
+    return [(index, TokenBatch.joined(events)) for index, events in parts.items()]
+
+
+async def singles(events: AsyncIterator[Event]) -> AsyncIterator[list[Event]]:
     async for event in events:
         yield [event]
 
@@ -76,20 +84,21 @@ async def sse_stream(
     cached: list[int | None] = [None] * p.num_choices
     num_tokens = 0
 
-    def encode(index: int, event: dict) -> bytes:
+    def encode(index: int, event: TokenBatch) -> bytes:
         nonlocal num_tokens
-        num_tokens += len(event.get("token_ids") or ())
+        num_tokens += len(event.token_ids)
         if cached[index] is None:
-            cached[index] = event.get("num_cached_tokens") or 0
-        text, lead = event.get("text") or "", None
+            cached[index] = event.num_cached_tokens
+        text, lead, shown = event.text, None, None
         if not started[index] and p.echo_texts:
             echo = p.echo_of(index)
             if p.want_logprobs:
-                lead = oa.echo_logprobs(tokenizer, p.echo_ids_of(index), event, echo)
+                lead = oa.echo_logprobs(tokenizer, p.echo_ids_of(index), event.prompt_logprobs,
+                                        event.prompt_top_logprobs, echo)
             offsets[index] = len(echo)  # the generated tokens' offsets start after the echoed prompt
-            event = {**event, "text": echo + text}
+            shown = echo + text
         part = oa.choice_chunk(meta, index, event, tokenizer, p.want_logprobs, offsets[index],
-                               not started[index], lead)
+                               not started[index], lead, shown)
         started[index] = True
         offsets[index] += len(text)
         so_far = None
@@ -98,7 +107,7 @@ async def sse_stream(
         return oa.chunk(meta, [part], p.continuous_usage, so_far)
 
     # one write per batch: whatever events arrived while the previous write was on its way
-    source = batches(events, interval_s) if interval_s is not None else _singles(events)
+    source = batches(events, interval_s) if interval_s is not None else singles(events)
     try:
         async for batch in source:
             if on_write is not None:

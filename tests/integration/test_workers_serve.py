@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from pdserve.contract import FallbackNotice, PrefillResult, TokenBatch, WorkerRequest
 from pdserve.engine import LLM
 from pdserve.sampling_params import SamplingParams
-from pdserve.worker import WorkerConfig, params_to_dict
+from pdserve.worker import WorkerConfig
 
 pytest.importorskip("ray")
 from pdserve.services.decode.app import build_app as build_decode  # noqa: E402
@@ -26,18 +29,19 @@ def workers(request, ray_serve, redis_server, tmp_path_factory):
     ray_serve.delete(f"decode-{request.param}")
 
 
-def _request(request_id: str) -> dict:
-    return {"request_id": request_id, "prompt_token_ids": PROMPT, "params": params_to_dict(GREEDY)}
+def _request(request_id: str) -> WorkerRequest:
+    return WorkerRequest(request_id, tuple(PROMPT), GREEDY)
 
 
-async def _disaggregated(prefill, decode, request_id: str) -> tuple[list[int], list[dict]]:
+async def _disaggregated(prefill, decode, request_id: str) -> tuple[list[int], list]:
     first = await prefill.prefill.remote(_request(request_id))
+    assert isinstance(first, PrefillResult) and first.first.num_tokens == 1 and not first.first.finished
     events = [
         e async for e in decode.options(stream=True).generate.remote(
-            _request(request_id), first["handoff"], first["first_token_id"]
+            _request(request_id), first.handoff, first.first.token_ids[0]
         )
     ]
-    tokens = [first["first_token_id"]] + [t for e in events if "token_ids" in e for t in e["token_ids"]]
+    tokens = [*first.first.token_ids] + [t for e in events if isinstance(e, TokenBatch) for t in e.token_ids]
     return tokens, events
 
 
@@ -47,9 +51,9 @@ def test_disaggregated_tokens_equal_the_engine_direct_output(workers):
     prefill, decode = workers
     expected = LLM(model="tiny", device="cpu", dtype="float32").generate([PROMPT], GREEDY)[0].token_ids
     tokens, events = asyncio.run(_disaggregated(prefill, decode, "r1"))
-    assert not any("fallback" in e for e in events)
+    assert not any(isinstance(e, FallbackNotice) for e in events)
     assert tokens == expected
-    assert events[-1]["finished"] and events[-1]["finish_reason"] == "length"
+    assert events[-1].finished and events[-1].finish_reason == "length"
     # every KV block is back on both replicas: the prefill lease was released after the pull
     for handle in (prefill, decode):
         stats = handle.stats.remote().result()
@@ -65,16 +69,16 @@ def test_lost_handoff_falls_back_to_local_prefill_with_the_same_tokens(workers):
     async def main():
         first = await prefill.prefill.remote(_request("r2"))
         # client gone before the pull (redis already released the lease once the blocks were stored)
-        await prefill.abort.remote(first["handoff"]["lease_id"])
-        handoff = dict(first["handoff"], block_hashes=[h ^ 1 for h in first["handoff"]["block_hashes"]])
+        await prefill.abort.remote(first.handoff.lease_id)
+        handoff = dataclasses.replace(first.handoff, block_hashes=[h ^ 1 for h in first.handoff.block_hashes])
         events = [
-            e async for e in decode.options(stream=True).generate.remote(_request("r2"), handoff, first["first_token_id"])
+            e async for e in decode.options(stream=True).generate.remote(_request("r2"), handoff, first.first.token_ids[0])
         ]
         return first, events
 
     first, events = asyncio.run(main())
-    assert events[0]["fallback"] == "transfer_failed"
-    tokens = [first["first_token_id"]] + [t for e in events[1:] for t in e["token_ids"]]
+    assert events[0] == FallbackNotice("transfer_failed", events[0].error)
+    tokens = [*first.first.token_ids] + [t for e in events[1:] for t in e.token_ids]
     assert tokens == expected
     assert decode.fallbacks.remote().result()["transfer_failed"] >= 1
     for handle in (prefill, decode):

@@ -7,6 +7,8 @@ import asyncio
 import json
 
 import pytest
+
+from pdserve.contract import TokenBatch
 from pdserve.models.tiny import ensure_tiny_checkpoint
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.sampling_params import SamplingParams
@@ -29,16 +31,16 @@ def _prepared(tokenizer, logprobs: int | None, stream: bool = False) -> Prepared
                     logprobs is not None, 2.0, 0.2, "interactive", echo_texts=(PROMPT,))
 
 
-def _events(tokenizer, prompt_ids) -> list[dict]:
+def _events(tokenizer, prompt_ids) -> list[TokenBatch]:
     n = len(prompt_ids)
     prompt_lps = [None] + [-0.5 - i for i in range(n - 1)]
     prompt_tops = [None] + [[(prompt_ids[i + 1], -0.5 - i)] for i in range(n - 1)]
     a, b = (tokenizer.encode(s, add_special_tokens=False)[0] for s in (" more", "!"))
     return [
-        {"token_ids": [a], "text": tokenizer.decode([a]), "logprobs": [-0.1], "top_logprobs": [[(a, -0.1)]],
-         "prompt_logprobs": prompt_lps, "prompt_top_logprobs": prompt_tops, "finished": False},
-        {"token_ids": [b], "text": tokenizer.decode([b]), "logprobs": [-0.2], "top_logprobs": [[(b, -0.2)]],
-         "finished": True, "finish_reason": "length"},
+        TokenBatch((a,), tokenizer.decode([a]), logprobs=(-0.1,), top_logprobs=(((a, -0.1),),),
+                   prompt_logprobs=tuple(prompt_lps), prompt_top_logprobs=tuple(prompt_tops)),
+        TokenBatch((b,), tokenizer.decode([b]), logprobs=(-0.2,), top_logprobs=(((b, -0.2),),),
+                   finished=True, finish_reason="length"),
     ]
 
 

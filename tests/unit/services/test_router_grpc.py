@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
+
+from pdserve.contract import TokenBatch
 
 import grpc
 import pytest
@@ -54,16 +57,16 @@ def test_a_prompt_is_required():
 
 def test_response_chunk():
     meta = oa.ResponseMeta("cmpl-1", "tiny", False)
-    event = {"token_ids": [5, 6], "text": "ab", "finished": True, "finish_reason": "length",
-             "logprobs": [-0.5, -0.25], "top_logprobs": [[(5, -0.5)], [(6, -0.25), (7, -3.0)]]}
+    event = TokenBatch((5, 6), "ab", finished=True, finish_reason="length", logprobs=(-0.5, -0.25),
+                       top_logprobs=(((5, -0.5),), ((6, -0.25), (7, -3.0))))
     chunk = response_chunk(meta, 1, event, want_logprobs=True)
     assert (chunk.id, chunk.model, chunk.index, chunk.text) == ("cmpl-1", "tiny", 1, "ab")
     assert list(chunk.token_ids) == [5, 6]
     assert chunk.finish_reason == "length" and not chunk.HasField("usage")
     assert [lp.logprob for lp in chunk.logprobs] == [-0.5, -0.25]
     assert [(t.token_id, t.logprob) for t in chunk.logprobs[1].top] == [(6, -0.25), (7, -3.0)]
-    assert not response_chunk(meta, 0, {**event, "finished": False}, want_logprobs=False).logprobs
-    assert response_chunk(meta, 0, {**event, "finished": False}, want_logprobs=False).finish_reason == ""
+    assert not response_chunk(meta, 0, dataclasses.replace(event, finished=False), want_logprobs=False).logprobs
+    assert response_chunk(meta, 0, dataclasses.replace(event, finished=False), want_logprobs=False).finish_reason == ""
 
 
 class FakeContext:
@@ -85,7 +88,7 @@ class FakeRouter(GrpcServiceMixin):
     def __init__(self, events, keys=()):
         self.api_keys = keys
         self.config = SimpleNamespace(max_body_bytes=1 << 16, served_model_name="tiny", max_model_len=128,
-                                      retry_after_s=1)
+                                      retry_after_s=1, stream_interval_s=0.0)
         self.created = 0
         self.metrics = ServingMetrics("router", "r0", "tiny")
         self.api_metrics = APIMetrics(self.metrics.registry)
@@ -129,13 +132,17 @@ async def _collect(gen):
     return [chunk async for chunk in gen]
 
 
-def test_generate_streams_then_usage_and_closes():
-    events = Events([(0, {"token_ids": [4], "text": "a", "finished": False}),
-                     (0, {"token_ids": [5], "text": "b", "finished": True, "finish_reason": "length"})])
+@pytest.mark.parametrize("interval_s", [None, 0.0])
+def test_generate_streams_then_usage_and_closes(interval_s):
+    """Coalescing off: a message per event. On: events that arrive together go out as one message."""
+    events = Events([(0, TokenBatch((4,), "a")), (0, TokenBatch((5,), "b", finished=True, finish_reason="length"))])
     router = FakeRouter(events)
+    router.config.stream_interval_s = interval_s
     context = FakeContext([("x-request-id", "r-1")])
     chunks = asyncio.run(_collect(router.Generate(build_request("tiny", "hi"), grpc_context=context)))
-    assert [c.text for c in chunks] == ["a", "b", ""] and chunks[1].finish_reason == "length"
+    texts = ["a", "b", ""] if interval_s is None else ["ab", ""]
+    assert [c.text for c in chunks] == texts and chunks[-2].finish_reason == "length"
+    assert [t for c in chunks for t in c.token_ids] == [4, 5]
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (3, 2)
     assert {c.id for c in chunks} == {"cmpl-r-1"} and events.closed and context.code is None
 
@@ -154,7 +161,7 @@ def test_rejections_set_the_status_before_raising():
 
 
 def test_failure_mid_stream_is_internal_and_closes():
-    events = Events([(0, {"token_ids": [4], "text": "a", "finished": False})], fail=ValueError("boom"))
+    events = Events([(0, TokenBatch((4,), "a"))], fail=ValueError("boom"))
     context = FakeContext()
     chunks = []
 

@@ -10,6 +10,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
 from pdserve.services.router.errors import APIError
+from pdserve.contract import TokenBatch
 from pdserve.services.router.streaming import first_event, prepend, sse_stream, upstream_error
 from ray.serve.exceptions import BackPressureError
 
@@ -44,8 +45,7 @@ def _prepared(include_usage=False):
 
 
 def _event(text, finished=False):
-    return 0, {"token_ids": [ord(text)], "text": text, "finished": finished,
-               "finish_reason": "length" if finished else None}
+    return 0, TokenBatch((ord(text),), text, finished, "length" if finished else None)
 
 
 async def _collect(agen):
@@ -95,7 +95,7 @@ def test_other_failures_map_to_500_and_api_errors_pass_through():
 def test_prepend_replays_first_and_closes_source():
     events = Events([_event("b")])
     out = asyncio.run(_collect(prepend(_event("a"), events)))
-    assert [e[1]["text"] for e in out] == ["a", "b"] and events.closed
+    assert [e[1].text for e in out] == ["a", "b"] and events.closed
     empty = Events([])
     assert asyncio.run(_collect(prepend(None, empty))) == [] and empty.closed
 

@@ -1,0 +1,149 @@
+"""The contract between the router and the workers: what a prefill or decode call takes and returns.
+
+Frozen, typed, torch-free: the router (which must not import torch) and the workers import the same
+types. Ray carries them between deployments; tensors never travel here (KV bytes go over the KV
+transport, described by `HandoffParams`).
+
+Lifecycle of a disaggregated request:
+    router  -> prefill.prefill(WorkerRequest)                -> PrefillResult(first: TokenBatch, handoff)
+    router  -> decode.generate(WorkerRequest, handoff, first) -> stream of DecodeEvent
+A request without a handoff goes to decode.generate alone (local prefill). `WorkerRequest.replica`
+names the replica placement chose; the worker deployments' request router sends the call there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from pdserve.sampling_params import SamplingParams
+
+
+class Priority(IntEnum):
+    """Request priority class; the engine runs lower values first."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+    @classmethod
+    def of(cls, name: str) -> Priority:
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(f"unknown priority class {name!r}; known: {[p.name.lower() for p in cls]}") from None
+
+
+@dataclass(frozen=True)
+class HandoffParams:
+    """Where and how a decode worker pulls a request's KV (like vLLM's `kv_transfer_params`)."""
+
+    transport: str  # registry name: "ucx" | "redis" | "local"
+    layout_hash: int
+    lease_id: str  # the prefill side's lease on the blocks
+    num_tokens: int  # tokens whose K/V the blocks hold
+    block_ids: tuple[int, ...]  # block ids in the prefill pool, in sequence order
+    block_hashes: tuple[int, ...] = ()  # chained hashes of the full blocks (content addresses)
+    address: str | None = None  # peer host for point-to-point transports
+    port: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+        object.__setattr__(self, "block_hashes", tuple(int(h) for h in self.block_hashes))
+        if self.num_tokens <= 0 or not self.block_ids:
+            raise ValueError("a handoff carries at least one token and one block")
+        if len(self.block_hashes) > len(self.block_ids):
+            raise ValueError("more block hashes than blocks")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HandoffParams:
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown handoff fields {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    priority: Priority = Priority.INTERACTIVE
+    max_prefill_chunk: int | None = None  # the router's per-step cap on this prompt; None: the engine's budget
+    trace: Mapping[str, str] = field(default_factory=dict)  # W3C trace context of the caller's span
+    replica: str | None = None  # the replica placement chose; None: the request router picks
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
+            raise ValueError("max_prefill_chunk must be at least 1")
+
+    def to(self, replica: str | None) -> WorkerRequest:
+        return dataclasses.replace(self, replica=replica)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """Tokens a choice produced since the previous batch, with their text and logprobs."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None
+    stop_reason: str | int | None = None  # matched stop string or stop token id
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    # on a choice's first batch when prompt logprobs were asked: one entry per prompt token, the first None
+    prompt_logprobs: tuple[float | None, ...] | None = None
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
+
+    @classmethod
+    def of(cls, delta: Any) -> TokenBatch:
+        """From an engine `TokenDelta` (duck-typed: this module stays torch-free)."""
+        return cls(delta.token_ids, delta.text, delta.finished, delta.finish_reason, delta.stop_reason,
+                   delta.logprobs, delta.top_logprobs, delta.num_prompt_tokens, delta.num_output_tokens,
+                   delta.num_cached_tokens, delta.prompt_logprobs, delta.prompt_top_logprobs)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def joined(cls, parts: Sequence[TokenBatch]) -> TokenBatch:
+        """One batch equal to `parts` (one choice's, in order): tokens, text and logprobs joined, the end
+        state of the last, the once-only fields (cached tokens, prompt logprobs) of the first."""
+        first, last = parts[0], parts[-1]
+        if len(parts) == 1:
+            return first
+        logprobs = None if first.logprobs is None else tuple(lp for p in parts for lp in p.logprobs or ())
+        top = None if first.top_logprobs is None else tuple(t for p in parts for t in p.top_logprobs or ())
+        return cls(tuple(t for p in parts for t in p.token_ids), "".join(p.text for p in parts), last.finished,
+                   last.finish_reason, last.stop_reason, logprobs, top, last.num_prompt_tokens,
+                   last.num_output_tokens, first.num_cached_tokens, first.prompt_logprobs, first.prompt_top_logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class FallbackNotice:
+    """Decode could not import the handoff and prefills locally instead (counted and traced by decode)."""
+
+    reason: str
+    error: str | None = None
+
+
+DecodeEvent = TokenBatch | FallbackNotice
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    first: TokenBatch  # the first token; finished when the request ends with it
+    handoff: HandoffParams | None  # None: nothing to pull (finished, or no KV left to hand off)
+    replica: str  # the prefill replica that holds the lease
