@@ -12,6 +12,11 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from pdserve.registry import load
+
+# what a target deploys, by import path (as a Serve config file names it): the builder validates the dict
+APP_BUILDERS = {"system": "pdserve.services.app:build_system"}
+
 
 def is_loopback_host(host: str) -> bool:
     if host.lower() == "localhost":
@@ -100,13 +105,15 @@ def local_serve(ray_options: dict[str, Any] | None = None, port: int = 0) -> Ite
 @contextmanager
 def deployed(local: LocalServe, system: dict[str, Any], app_name: str, route_prefix: str = "/",
              health_timeout_s: float = 180.0) -> Iterator[str]:
-    """Deploys a SystemConfig as one Serve application; yields its base URL; deletes it afterwards."""
-    from pdserve.services.app import SystemConfig, build_system
+    """Deploys a SystemConfig (as a dict) as one Serve application; yields its base URL; deletes it afterwards.
+
+    The app comes from its builder's import path, as in a Serve config file: the load tester is a client
+    of the services and imports none of them."""
     from ray import serve
 
-    config = SystemConfig.model_validate(system)
+    build = load(APP_BUILDERS, "system", "app builder")
     try:
-        serve.run(build_system(config), name=app_name, route_prefix=route_prefix)
+        serve.run(build(system), name=app_name, route_prefix=route_prefix)
         url = local.url(route_prefix)
         wait_healthy(url, health_timeout_s)
         yield url

@@ -65,7 +65,7 @@ class SystemConfig(BaseModel):
         return KVStoreConfig.model_validate({"redis_url": self.redis_url, **self.kvstore})
 
 
-def build_system(config: SystemConfig) -> Application:
+def build_system(config: SystemConfig | dict[str, Any]) -> Application:
     """One app: the router is its only ingress (direct ingress gives each ingress a port of its own), and
     the kvstore, when there is a Redis tier, a deployment inside it."""
     from pdserve.services.decode.app import build_app as build_decode
@@ -73,6 +73,8 @@ def build_system(config: SystemConfig) -> Application:
     from pdserve.services.prefill.app import build_app as build_prefill
     from pdserve.services.router.app import build_app as build_router
 
+    if not isinstance(config, SystemConfig):
+        config = SystemConfig.model_validate(config)
     decode = build_decode(config.worker("decode"))
     prefill = build_prefill(config.worker("prefill")) if config.mode == "disaggregated" else None
     kv = config.kvstore_config()

@@ -1,12 +1,11 @@
 """Router: OpenAI-compatible HTTP ingress that places each request on prefill + decode (or decode only).
 
-Public API: `RouterConfig`, `RouterDeployment`, `build_app`, `decide`. Importing it never imports torch.
+Public API: `RouterConfig`, `RouterDeployment`, `build_app`. Importing it never imports torch.
 """
 
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.policy import Decision, decide
 
-__all__ = ["Decision", "RouterConfig", "RouterDeployment", "build_app", "decide"]
+__all__ = ["RouterConfig", "RouterDeployment", "build_app"]
 
 
 def __getattr__(name: str):

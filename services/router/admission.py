@@ -10,6 +10,7 @@ from typing import Any
 
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.contract import Priority
 from pdserve.sampling_params import SamplingParams
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.errors import APIError, bad_request, from_validation_error
@@ -31,7 +32,7 @@ class Prepared:
     want_logprobs: bool
     ttft_slo_s: float
     tpot_slo_s: float
-    priority: str  # "interactive" | "batch"
+    priority: Priority
     continuous_usage: bool = False  # usage on every stream chunk
     echo_texts: tuple[str, ...] = ()  # one per prompt when echo is on: prepended to each choice's text
 
@@ -153,7 +154,7 @@ def prepare(
     ttft_s = slo.ttft_ms / 1e3 if slo and slo.ttft_ms else config.slo_ttft_s
     tpot_s = slo.tpot_ms / 1e3 if slo and slo.tpot_ms else config.slo_tpot_s
     return Prepared(chat, prompts, params, req.n, req.stream, bool(options and options.include_usage),
-                    params.logprobs is not None, ttft_s, tpot_s, req.priority or "interactive",
+                    params.logprobs is not None, ttft_s, tpot_s, Priority.of(req.priority or "interactive"),
                     continuous_usage=bool(options and options.continuous_usage_stats), echo_texts=echo_texts)
 
 

@@ -38,7 +38,6 @@ from pdserve.slo import SloWindow
 from pdserve.telemetry import Telemetry
 from pdserve.services.router.placement import Placement, PlacementConfig, PlacementRequest, Rejection
 from pdserve.services.router.placer import Placer
-from pdserve.services.router.policy import decide
 from pdserve.services.router.streaming import first_event, prepend, sse_stream, upstream_error
 from ray import serve
 from ray.serve import Application
@@ -113,8 +112,7 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         self.api_metrics = APIMetrics(self.metrics.registry)
         self._worker_snapshots: dict[str, tuple[float, dict]] = {}  # replica -> (monotonic time, snapshot)
         placement = PlacementConfig.model_validate({
-            "mode": self.config.mode, "disaggregate_min_prompt_tokens": self.config.disaggregate_min_prompt_tokens,
-            "max_chunk_tokens": self.config.max_model_len, **self.config.placement})
+            "disaggregate_min_prompt_tokens": self.config.disaggregate_min_prompt_tokens, **self.config.placement})
         profile = LatencyProfile.from_dict(self.config.profile) if self.config.profile else None
         self.placer = Placer(placement, profile, _app_name(), prefill is not None)
         self.num_inflight = 0
@@ -244,16 +242,12 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         return prepared, meta, self._merged(request_id, prepared, placements, span, meta)
 
     def _place(self, p: Prepared, prompt_ids: tuple[int, ...]) -> Placement:
-        """One prompt's placement by the policy over live replica stats; until stats arrive, the
-        prompt-length rule and Serve's own replica choice. No placement within the SLOs (admission:
+        """One prompt's placement by the policy over live replica stats (until they arrive, the
+        prompt-length rule and Serve's own replica choice). No placement within the SLOs (admission:
         reject) is a 429."""
         self.placer.start()
         request = PlacementRequest(len(prompt_ids), p.params.max_tokens, p.ttft_slo_s, p.tpot_slo_s, p.priority)
         result = self.placer.place(request, prompt_ids)
-        if result is None:  # no decode stats yet
-            split = decide(self.config.mode, request.num_prompt_tokens, self.config.disaggregate_min_prompt_tokens,
-                           self.prefill is not None)
-            return Placement(split.disaggregate, None, None, split.reason)
         if isinstance(result, Rejection):
             retry = max(1, round(result.retry_after_s))
             raise APIError(429, f"no replica can serve this request within its SLOs ({result.reason}); retry later",

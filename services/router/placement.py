@@ -3,20 +3,26 @@
 Policies sit behind `PlacementPolicy` and are built by name from `POLICIES` (`create_policy`):
 `round_robin` and `least_loaded` here, `slo_aware` (the default) in `slo_aware.py`. No Ray, no I/O,
 no torch: the router builds the snapshots and owns the policy object (round-robin keeps its counter).
+
+One path for every policy: the topology is resolved once, when the policy is built (colocated means
+no prefill pool, so `prefill` is always empty and no policy looks at a mode); `place` always returns
+a `Placement` or a `Rejection`, and before any decode replica has reported stats it places by the
+prompt-length rule and leaves the replicas to Serve. The prompt-length rule (`prefill_split`) lives
+here only; each replica's chunk cap is the token budget it reports.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pdserve.contract import Priority
 from pdserve.latency_model import LatencyProfile
 from pdserve.registry import load
-from pdserve.services.router.policy import decide
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,7 @@ class ReplicaSnapshot:
     num_free_blocks: int
     num_total_blocks: int
     block_size: int
+    max_num_batched_tokens: int = 2048  # the engine's per-step token budget: the largest prefill chunk
     recent_step_time_s: float | None = None  # mean of the recent steps
     recent_step_tokens: float | None = None  # mean tokens per recent step (decodes + prefill chunks)
     num_context_tokens: int | None = None  # None: estimated from the used blocks
@@ -66,6 +73,7 @@ class ReplicaSnapshot:
             num_waiting=stats.num_waiting, queued_prefill_tokens=stats.queued_prefill_tokens,
             num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
             block_size=stats.block_size,
+            max_num_batched_tokens=getattr(stats, "max_num_batched_tokens", cls.max_num_batched_tokens),
             recent_step_time_s=sum(times) / len(times) if times else None,
             recent_step_tokens=sum(tokens) / len(tokens) if tokens else None,
             **extra,
@@ -78,7 +86,7 @@ class PlacementRequest:
     max_tokens: int
     ttft_slo_s: float
     tpot_slo_s: float
-    priority: str = "interactive"
+    priority: Priority = Priority.INTERACTIVE
     block_hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full blocks, in order
     kvstore_hit_tokens: int = 0  # prompt tokens whose KV the kvstore holds
 
@@ -99,15 +107,15 @@ class Candidate(NamedTuple):
 @dataclass(frozen=True)
 class Placement:
     disaggregate: bool
-    prefill_replica: str | None  # None: the decode replica prefills
-    decode_replica: str | None
+    prefill_replica: str | None  # None: the decode replica prefills (or, disaggregated, Serve picks)
+    decode_replica: str | None  # None: Serve picks (no stats yet)
     reason: str
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
     candidates: tuple[Candidate, ...] = ()
     # Per-step cap on this request's prefill chunk (tokens); None: the engine's token budget.
     prefill_chunk_tokens: int | None = None
-    priority: int = 0  # engine priority: lower runs first
+    priority: Priority = Priority.INTERACTIVE  # the request's, passed to the engine
     meets_slo: bool = True
 
 
@@ -115,7 +123,7 @@ class Placement:
 class Rejection:
     """Admission control: answer 429 with Retry-After."""
 
-    reason: str  # "no_replicas" | "kv_full" | "tpot" | "ttft"
+    reason: str  # "kv_full" | "tpot" | "ttft"
     retry_after_s: float
 
 
@@ -123,8 +131,8 @@ class PlacementConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     policy: str = "slo_aware"
-    mode: Literal["disaggregated", "colocated"] = "disaggregated"
-    # round_robin / least_loaded only: prompts shorter than this prefill on the decode replica
+    # the prompt-length rule (round_robin, least_loaded, and every policy before stats arrive): prompts
+    # shorter than this prefill on the decode replica
     disaggregate_min_prompt_tokens: int = Field(32, ge=0)
     # stats older than this are unknown: skipped while a fresh replica exists, else used with the penalty
     max_stats_age_s: float = Field(5.0, gt=0)
@@ -137,14 +145,12 @@ class PlacementConfig(BaseModel):
     min_retry_after_s: float = Field(1.0, ge=0)
     transport: str | None = None  # KV handoff transport; None: transfer time not modelled
     kvstore_transport: str | None = None  # how kvstore prefix hits are pulled; None: free
-    max_chunk_tokens: int = Field(2048, ge=1)  # the engine's per-step token budget
     # a prefill chunk step takes at most this share of the request's TTFT SLO, so requests behind a
     # long prompt wait at most about one chunk
     chunk_ttft_fraction: float = Field(0.25, gt=0, le=1)
     # scale predictions by measured/predicted recent step time, clamped to these bounds
     calibrate_step_times: bool = True
     slowdown_bounds: tuple[float, float] = (0.5, 8.0)
-    priorities: Mapping[str, int] = Field(default_factory=lambda: {"interactive": 0, "batch": 1})
 
     @field_validator("policy")
     @classmethod
@@ -155,49 +161,67 @@ class PlacementConfig(BaseModel):
 
 
 class PlacementPolicy(ABC):
+    """Chooses the replicas of one request from stats snapshots. `has_prefill_pool` is the topology:
+    False (colocated) means `prefill` is always empty."""
+
     name: ClassVar[str]
 
-    def __init__(self, config: PlacementConfig, profile: LatencyProfile | None = None) -> None:
+    def __init__(
+        self, config: PlacementConfig, profile: LatencyProfile | None = None, has_prefill_pool: bool = True,
+    ) -> None:
         self.config = config
         self.profile = profile
+        self.has_prefill_pool = has_prefill_pool
 
-    @abstractmethod
     def place(
         self, request: PlacementRequest, prefill: Sequence[ReplicaSnapshot], decode: Sequence[ReplicaSnapshot]
-    ) -> Placement | Rejection: ...
+    ) -> Placement | Rejection:
+        if not decode:  # no stats yet: the prompt-length rule, and Serve's choice of replicas
+            split, reason = self.prefill_split(request, self.has_prefill_pool)
+            return Placement(split, None, None, reason, priority=request.priority)
+        return self.choose(request, prefill, decode)
 
-    def priority_of(self, request: PlacementRequest) -> int:
-        try:
-            return self.config.priorities[request.priority]
-        except KeyError:
-            known = sorted(self.config.priorities)
-            raise ValueError(f"unknown priority class {request.priority!r}; known: {known}") from None
+    @abstractmethod
+    def choose(
+        self, request: PlacementRequest, prefill: Sequence[ReplicaSnapshot], decode: Sequence[ReplicaSnapshot]
+    ) -> Placement | Rejection:
+        """`place` once at least one decode replica has reported stats."""
+
+    @property
+    def local_reason(self) -> str:
+        """Why a request prefills on its decode replica when there is no prefill replica to take it."""
+        return "no_prefill_pool" if self.has_prefill_pool else "colocated"
+
+    def prefill_split(self, request: PlacementRequest, has_prefill: bool) -> tuple[bool, str]:
+        """The prompt-length rule: (prefill on a prefill replica?, reason)."""
+        if not has_prefill:
+            return False, self.local_reason
+        if request.num_prompt_tokens < self.config.disaggregate_min_prompt_tokens:
+            return False, "short_prompt"
+        return True, "long_prompt"
 
     def _simple(
         self, request: PlacementRequest, prefill: ReplicaSnapshot | None, decode: ReplicaSnapshot
     ) -> Placement:
-        """The SLO-blind policies keep the router's old rule for when to disaggregate."""
-        cfg = self.config
-        has_prefill = prefill is not None
-        split = decide(cfg.mode, request.num_prompt_tokens, cfg.disaggregate_min_prompt_tokens, has_prefill)
+        """The SLO-blind policies: the prompt-length rule on the chosen replicas."""
+        split, reason = self.prefill_split(request, prefill is not None)
         return Placement(
-            disaggregate=split.disaggregate,
-            prefill_replica=prefill.replica_id if split.disaggregate else None,
-            decode_replica=decode.replica_id, reason=split.reason,  # the policy is a span attribute
-            priority=self.priority_of(request),
+            disaggregate=split, prefill_replica=prefill.replica_id if split else None,
+            decode_replica=decode.replica_id, reason=reason,  # the policy is a span attribute
+            priority=request.priority,
         )
 
 
 class RoundRobin(PlacementPolicy):
     name = "round_robin"
 
-    def __init__(self, config: PlacementConfig, profile: LatencyProfile | None = None) -> None:
-        super().__init__(config, profile)
+    def __init__(
+        self, config: PlacementConfig, profile: LatencyProfile | None = None, has_prefill_pool: bool = True,
+    ) -> None:
+        super().__init__(config, profile, has_prefill_pool)
         self.counter = 0  # requests placed so far: the next index into each pool
 
-    def place(self, request, prefill, decode):
-        if not decode:
-            return Rejection("no_replicas", self.config.min_retry_after_s)
+    def choose(self, request, prefill, decode):
         i = self.counter
         self.counter += 1
         ordered_p, ordered_d = _by_id(prefill), _by_id(decode)
@@ -208,10 +232,7 @@ class RoundRobin(PlacementPolicy):
 class LeastLoaded(PlacementPolicy):
     name = "least_loaded"
 
-    def place(self, request, prefill, decode):
-        if not decode:
-            return Rejection("no_replicas", self.config.min_retry_after_s)
-
+    def choose(self, request, prefill, decode):
         def key(r: ReplicaSnapshot) -> tuple:
             return r.load, -(r.num_free_blocks - r.pending_blocks), r.replica_id
 
@@ -234,5 +255,7 @@ def policy_class(name: str) -> type[PlacementPolicy]:
     return load(POLICIES, name, "placement policy")
 
 
-def create_policy(config: PlacementConfig, profile: LatencyProfile | None = None) -> PlacementPolicy:
-    return policy_class(config.policy)(config, profile)
+def create_policy(
+    config: PlacementConfig, profile: LatencyProfile | None = None, has_prefill_pool: bool = True,
+) -> PlacementPolicy:
+    return policy_class(config.policy)(config, profile, has_prefill_pool)

@@ -36,7 +36,8 @@ class Placer:
             logger.warning("slo_aware placement needs a latency profile (router.profile_path); using least_loaded")
             config = config.model_copy(update={"policy": "least_loaded"})
         self.config = config
-        self.policy = create_policy(config, profile)
+        self.has_prefill = has_prefill
+        self.policy = create_policy(config, profile, has_prefill)
         roles = ("prefill", "decode") if has_prefill else ("decode",)
         self.poller = ReplicaStatsPoller(app_name, roles, period_s=config.stats_poll_period_s,
                                          staleness_s=config.max_stats_age_s)
@@ -61,18 +62,15 @@ class Placer:
             out.append(self.pending.apply(snap))
         return out
 
-    def place(self, request: PlacementRequest, prompt_token_ids: Sequence[int]) -> Placement | Rejection | None:
-        """None while no decode replica has reported stats yet."""
+    def place(self, request: PlacementRequest, prompt_token_ids: Sequence[int]) -> Placement | Rejection:
         decode = self.snapshots("decode")
-        if not decode:
-            return None
-        prefill = self.snapshots("prefill") if self.config.mode == "disaggregated" else []
-        block_size = decode[0].block_size
-        if any(s.prefix_hashes is not None for s in (*prefill, *decode)):  # prefix credit needs the hashes
-            request = dataclasses.replace(request, block_hashes=prompt_block_hashes(prompt_token_ids, block_size))
+        prefill = self.snapshots("prefill") if self.has_prefill else []
+        if decode and any(s.prefix_hashes is not None for s in (*prefill, *decode)):  # prefix credit needs hashes
+            hashes = prompt_block_hashes(prompt_token_ids, decode[0].block_size)
+            request = dataclasses.replace(request, block_hashes=hashes)
         result = self.policy.place(request, prefill, decode)
-        if isinstance(result, Placement):
-            self.pending.record_placement(result, request, block_size)
+        if isinstance(result, Placement) and decode:
+            self.pending.record_placement(result, request, decode[0].block_size)
         return result
 
     async def close(self) -> None:

@@ -126,9 +126,9 @@ def run_policy(name: str, args: argparse.Namespace, profile: LatencyProfile) -> 
         else:
             r.queue = [rng.uniform(0.5, 1.5) * args.prompt_tokens for _ in range(rng.randint(0, 2))]
     by_id = {r.replica_id: r for r in cluster}
-    config = PlacementConfig(policy=name, admission="queue", transport="ucx", max_chunk_tokens=2048)
+    config = PlacementConfig(policy=name, admission="queue", transport="ucx")
     routers = [create_policy(config, profile) for _ in range(args.routers)]
-    judge = SloAware(PlacementConfig(admission="queue", transport="ucx", max_chunk_tokens=2048), profile)
+    judge = SloAware(PlacementConfig(admission="queue", transport="ucx"), profile)
     clock = [0.0]
     pendings = [PendingPlacements(grace_s=0.0, clock=lambda: clock[0]) for _ in routers]
     polled: list[ReplicaSnapshot] = []

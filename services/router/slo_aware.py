@@ -12,7 +12,8 @@
 Prefix credit: the longest run of the prompt's block hashes cached on the replica, or the kvstore's
 hit (pulled at the kvstore transport's cost), whichever is longer; at least one token is computed.
 
-Chunk budget: the largest multiple of the block size c (one block at least, the engine budget at most)
+Chunk budget: the largest multiple of the block size c (one block at least, at most the token budget
+the replica reports)
 with `mixed_step(batch, context, c) <= TPOT SLO` on a replica with running decodes, and
 `prefill_time(c) <= chunk_ttft_fraction x TTFT SLO` everywhere, so a long prompt never holds a step
 long enough to starve the requests queued behind it.
@@ -71,10 +72,12 @@ def prefix_hit_tokens(block_hashes: Sequence[int], cached: frozenset[int] | None
 class SloAware(PlacementPolicy):
     name = "slo_aware"
 
-    def __init__(self, config: PlacementConfig, profile: LatencyProfile | None = None) -> None:
+    def __init__(
+        self, config: PlacementConfig, profile: LatencyProfile | None = None, has_prefill_pool: bool = True,
+    ) -> None:
         if profile is None:
             raise ValueError("slo_aware placement needs a latency profile")
-        super().__init__(config, profile)
+        super().__init__(config, profile, has_prefill_pool)
         self.prefill_model = profile.for_role("prefill")
         self.decode_model = profile.for_role("decode")
 
@@ -115,7 +118,7 @@ class SloAware(PlacementPolicy):
         self, request: PlacementRequest, o: _Option, model: LatencyModel, decodes: int
     ) -> tuple[int, bool]:
         """(chunk tokens, whether a chunk step keeps `decodes` running sequences within the TPOT SLO)."""
-        bs, cap = o.replica.block_size, self.config.max_chunk_tokens
+        bs, cap = o.replica.block_size, o.replica.max_num_batched_tokens
         chunk = largest_chunk(lambda c: o.scale * model.prefill_time_s(c),
                               self.config.chunk_ttft_fraction * request.ttft_slo_s, bs, cap)
         if decodes == 0:
@@ -165,10 +168,8 @@ class SloAware(PlacementPolicy):
 
     # --- the policy -------------------------------------------------------------------------------
 
-    def place(self, request, prefill, decode):
+    def choose(self, request, prefill, decode):
         cfg = self.config
-        if not decode:
-            return Rejection("no_replicas", cfg.min_retry_after_s)
         d_options = self._options(request, decode, self.decode_model)
         total = request.num_prompt_tokens + request.max_tokens
         roomy = [o for o in d_options if self.has_room(request, o, total)]
@@ -200,12 +201,10 @@ class SloAware(PlacementPolicy):
             predicted_ttft_s=self.prefill_s(request, d, self.decode_model, chunk, decodes),
             predicted_tpot_s=tpot,
             candidates=candidates, prefill_chunk_tokens=min(chunk, request.num_prompt_tokens),
-            priority=self.priority_of(request),
+            priority=request.priority,
         )
-        if self.config.mode == "colocated":
-            return self._admit(request, _replace(local, reason="colocated"), over, interference_ok)
         if not prefill:
-            return self._admit(request, _replace(local, reason="no_prefill_pool"), over, interference_ok)
+            return self._admit(request, _replace(local, reason=self.local_reason), over, interference_ok)
         if local.predicted_ttft_s <= request.ttft_slo_s and interference_ok:
             return self._admit(request, local, over, True)
         remote = self._remote(request, prefill, local)

@@ -287,6 +287,7 @@ class LLMEngine:
             prefix_queried_tokens=self.block_manager.num_prefix_queried_tokens,
             num_preemptions=self.num_preemptions,
             num_expired_leases=self.num_expired_leases,
+            max_num_batched_tokens=self.scheduler.config.max_num_batched_tokens,
             num_spec_draft_tokens=self.num_draft_tokens,
             num_spec_accepted_tokens=self.num_accepted_tokens,
             num_spec_verifications=self.num_verifications,

@@ -88,6 +88,7 @@ class EngineStats:
     prefix_queried_tokens: int
     num_preemptions: int
     num_expired_leases: int = 0
+    max_num_batched_tokens: int = 2048  # per-step token budget: the largest prefill chunk a step takes
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     num_spec_verifications: int = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pdserve.contract import Priority
 from pdserve.models.tiny import resolve_model_path
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.services.router.admission import merge_slo_headers, prepare
@@ -24,11 +25,11 @@ def _prepare(tokenizer, body, headers=None):
 
 def test_defaults_body_and_headers(tokenizer):
     p = _prepare(tokenizer, {})
-    assert (p.ttft_slo_s, p.tpot_slo_s, p.priority) == (2.0, 0.2, "interactive")
+    assert (p.ttft_slo_s, p.tpot_slo_s, p.priority) == (2.0, 0.2, Priority.INTERACTIVE)
     p = _prepare(tokenizer, {"slo": {"ttft_ms": 500}, "priority": "batch"})
-    assert (p.ttft_slo_s, p.tpot_slo_s, p.priority) == (0.5, 0.2, "batch")
+    assert (p.ttft_slo_s, p.tpot_slo_s, p.priority) == (0.5, 0.2, Priority.BATCH)
     p = _prepare(tokenizer, {}, {"x-slo-ttft-ms": "250", "x-slo-tpot-ms": "40", "x-priority": "batch"})
-    assert (p.ttft_slo_s, p.tpot_slo_s, p.priority) == (0.25, 0.04, "batch")
+    assert (p.ttft_slo_s, p.tpot_slo_s, p.priority) == (0.25, 0.04, Priority.BATCH)
     # the body wins over a header for the same field
     p = _prepare(tokenizer, {"slo": {"ttft_ms": 900}}, {"x-slo-ttft-ms": "250", "x-slo-tpot-ms": "40"})
     assert (p.ttft_slo_s, p.tpot_slo_s) == (0.9, 0.04)

@@ -1,4 +1,5 @@
-"""Placement policies on synthetic stats: every slo_aware branch, ties, stale stats, full pools, rejection."""
+"""Placement policies on synthetic stats: every slo_aware branch, ties, stale stats, full pools, rejection,
+and the one path every policy shares (topology, no stats yet, the prompt-length rule, chunk caps)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
+from pdserve.contract import Priority
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel, TransferModel
 from pdserve.services.router.placement import (
     POLICIES, Placement, PlacementConfig, PlacementRequest, Rejection, ReplicaSnapshot, create_policy,
@@ -45,8 +47,9 @@ def req(prompt: int = 100, max_tokens: int = 32, ttft: float = 1.0, tpot: float 
     return PlacementRequest(prompt, max_tokens, ttft, tpot, **kw)
 
 
-def slo(**kw):
-    return create_policy(PlacementConfig(transport="redis", calibrate_step_times=False, **kw), PROFILE)
+def slo(has_prefill_pool: bool = True, **kw):
+    return create_policy(PlacementConfig(transport="redis", calibrate_step_times=False, **kw), PROFILE,
+                         has_prefill_pool)
 
 
 HASHES = tuple(range(1000, 1094))  # 94 full blocks of a 1500-token prompt
@@ -90,8 +93,8 @@ CASES = [
     ("full prefill pool is skipped", LONG,
      [pre("p0", num_free_blocks=10), pre("p1", queued_prefill_tokens=500)], [busy("d0", 20)], {},
      (True, "p1", "d0", SPLIT)),
-    ("colocated mode never disaggregates", LONG, [pre("p0")], [busy("d0", 20)],
-     {"mode": "colocated", "admission": "queue"}, (False, None, "d0", "colocated:over_slo:ttft")),
+    ("colocated: no prefill pool, so local", LONG, [], [busy("d0", 20)],
+     {"has_prefill_pool": False, "admission": "queue"}, (False, None, "d0", "colocated:over_slo:ttft")),
 ]
 
 
@@ -167,7 +170,6 @@ def test_measured_step_times_scale_predictions():
 
 
 @pytest.mark.parametrize("request_,prefill,decode,config,expected", [
-    (req(100), [], [], {}, Rejection("no_replicas", 1.0)),
     (req(1000, max_tokens=600), [], [snap("d0", num_free_blocks=50), snap("d1", num_free_blocks=99)], {},
      Rejection("kv_full", 1.0)),
     (req(100, tpot=0.05), [], [busy("d0", 40, 100)], {}, Rejection("tpot", 1.0)),
@@ -199,11 +201,14 @@ def test_ttft_rejection_retry_after_is_the_predicted_excess():
     assert rejected == Rejection("ttft", pytest.approx(queued.predicted_ttft_s - 0.3))
 
 
-def test_priority_classes():
-    assert slo().place(req(100, priority="batch"), [], [snap("d0")]).priority == 1
-    assert slo().place(req(100), [], [snap("d0")]).priority == 0
+def test_priority_is_the_requests_own_type():
+    for policy in (slo(), create_policy(PlacementConfig(policy="least_loaded"))):
+        for decode in ([snap("d0")], []):
+            assert policy.place(req(100, priority=Priority.BATCH), [], decode).priority is Priority.BATCH
+            assert policy.place(req(100), [], decode).priority is Priority.INTERACTIVE
+    assert Priority.of("batch") is Priority.BATCH and int(Priority.BATCH) == 1
     with pytest.raises(ValueError, match="priority"):
-        slo().place(req(100, priority="urgent"), [], [snap("d0")])
+        Priority.of("urgent")
 
 
 def test_round_robin_rotates_over_replica_ids():
@@ -216,7 +221,6 @@ def test_round_robin_rotates_over_replica_ids():
     short = policy.place(req(10), prefill, decode)
     assert (short.disaggregate, short.prefill_replica) == (False, None)
     assert short.reason == "short_prompt"
-    assert policy.place(req(10), prefill, []) == Rejection("no_replicas", 1.0)
 
 
 @pytest.mark.parametrize("decode,expected", [
@@ -245,9 +249,10 @@ def test_registry():
 def test_snapshot_from_engine_stats():
     stats = SimpleNamespace(num_running=2, num_waiting=1, queued_prefill_tokens=40, num_free_blocks=90,
                             num_total_blocks=100, block_size=16, recent_step_times_s=(0.1, 0.3),
-                            recent_step_tokens=(2, 4))
+                            recent_step_tokens=(2, 4), max_num_batched_tokens=512)
     s = ReplicaSnapshot.from_stats("d0", "decode", 0.5, stats, num_pending=3, pending_blocks=2)
     assert (s.recent_step_time_s, s.recent_step_tokens, s.load) == (pytest.approx(0.2), 3.0, 6)
+    assert s.max_num_batched_tokens == 512
     assert s.context_tokens == (10 + 2) * 16
 
 
@@ -281,5 +286,38 @@ def test_stats_poll_period_reaches_the_poller():
 
     placer = Placer(PlacementConfig(policy="least_loaded", stats_poll_period_s=0.5), None, "app", has_prefill=True)
     assert placer.poller.period_s == 0.5 and placer.poller.deployments == ("prefill", "decode")
+    colocated = Placer(PlacementConfig(policy="least_loaded"), None, "app", has_prefill=False)
+    assert colocated.poller.deployments == ("decode",) and not colocated.policy.has_prefill_pool
     with pytest.raises(ValidationError):
         PlacementConfig(stats_poll_period_s=0)
+
+
+# every policy, before any stats: (topology, prompt tokens) -> (disaggregate, reason); Serve picks replicas
+NO_STATS = [
+    (True, 100, (True, "long_prompt")), (True, 32, (True, "long_prompt")), (True, 31, (False, "short_prompt")),
+    (False, 100, (False, "colocated")),
+]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("has_prefill_pool,num_tokens,expected", NO_STATS)
+def test_before_stats_every_policy_places_by_the_prompt_length_rule(policy, has_prefill_pool, num_tokens, expected):
+    p = create_policy(PlacementConfig(policy=policy), PROFILE, has_prefill_pool).place(req(num_tokens), [], [])
+    assert isinstance(p, Placement)
+    assert (p.disaggregate, p.reason) == expected and (p.prefill_replica, p.decode_replica) == (None, None)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded"])
+def test_simple_policies_follow_the_topology(policy):
+    colocated = create_policy(PlacementConfig(policy=policy), None, has_prefill_pool=False)
+    p = colocated.place(req(1000), [], [snap("d0")])
+    assert (p.disaggregate, p.prefill_replica, p.decode_replica, p.reason) == (False, None, "d0", "colocated")
+    pool = create_policy(PlacementConfig(policy=policy), None)  # a pool with no replica reporting yet
+    assert pool.place(req(1000), [], [snap("d0")]).reason == "no_prefill_pool"
+
+
+def test_chunk_cap_is_the_replicas_reported_token_budget():
+    # an idle replica whose TTFT allows any chunk: the cap is what it reports, not a router-wide setting
+    for budget in (256, 1024):
+        p = slo(admission="queue").place(req(1500, ttft=100.0), [], [snap("d0", max_num_batched_tokens=budget)])
+        assert p.prefill_chunk_tokens == budget

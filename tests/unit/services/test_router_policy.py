@@ -1,4 +1,4 @@
-"""The router's pure parts: the disaggregate decision table, config keys, and its torch-free import."""
+"""The router's pure parts: config keys and its torch-free import (placement: test_placement.py)."""
 
 from __future__ import annotations
 
@@ -6,19 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from pdserve.services.router import Decision, RouterConfig, decide
+from pdserve.services.router import RouterConfig
 from pydantic import ValidationError
-
-
-@pytest.mark.parametrize("mode,num_tokens,has_prefill,expected", [
-    ("disaggregated", 100, True, Decision(True, "long_prompt")),
-    ("disaggregated", 32, True, Decision(True, "long_prompt")),
-    ("disaggregated", 31, True, Decision(False, "short_prompt")),
-    ("disaggregated", 100, False, Decision(False, "no_prefill_pool")),
-    ("colocated", 100, True, Decision(False, "colocated")),
-])
-def test_decision_table(mode, num_tokens, has_prefill, expected):
-    assert decide(mode, num_tokens, 32, has_prefill) == expected
 
 
 def test_config_is_frozen_strict_and_merges_env_keys(monkeypatch):

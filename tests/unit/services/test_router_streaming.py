@@ -10,7 +10,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
 from pdserve.services.router.errors import APIError
-from pdserve.contract import TokenBatch
+from pdserve.contract import Priority, TokenBatch
 from pdserve.services.router.streaming import first_event, prepend, sse_stream, upstream_error
 from ray.serve.exceptions import BackPressureError
 
@@ -41,7 +41,7 @@ class Events:
 
 
 def _prepared(include_usage=False):
-    return Prepared(False, ((1, 2, 3),), SamplingParams(max_tokens=4), 1, True, include_usage, False, 2.0, 0.2, "interactive")
+    return Prepared(False, ((1, 2, 3),), SamplingParams(max_tokens=4), 1, True, include_usage, False, 2.0, 0.2, Priority.INTERACTIVE)
 
 
 def _event(text, finished=False):
