@@ -74,23 +74,32 @@ def greedy_prompts(token_ids: list[int], num_prompts: int) -> list[list[int]]:
     return [token_ids[i * stride : i * stride + PROMPT_TOKENS] for i in range(num_prompts)]
 
 
-def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [out.token_ids for out in llm.generate(prompts, params)]
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Per prompt: the greedy tokens and, per token, the logprob gap between the top two candidates."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts, params)
+    return [(out.token_ids, [top[0][1] - top[1][1] for top in out.top_logprobs]) for out in outs]
 
 
-def compare_greedy(reference: list[list[int]], candidate: list[list[int]], max_tokens: int) -> dict:
-    divergences = []
-    for ref, cand in zip(reference, candidate):
+def compare_greedy(reference: list[tuple], candidate: list[tuple], max_tokens: int) -> dict:
+    divergences, gaps = [], []
+    for (ref, ref_gaps), (cand, _) in zip(reference, candidate):
         first = next((i for i, (a, b) in enumerate(zip(ref, cand)) if a != b), None)
         if first is not None:
             divergences.append(first)
+            gaps.append(ref_gaps[first])
+    all_gaps = sorted(g for _, ref_gaps in reference for g in ref_gaps)
     buckets = {f"{lo}-{lo + 15}": sum(lo <= d < lo + 16 for d in divergences) for lo in range(0, max_tokens, 16)}
     return {
         "share_identical": round(1 - len(divergences) / len(reference), 4),
         "num_prompts": len(reference), "num_tokens": max_tokens,
         "first_divergence_positions": sorted(divergences),
         "first_divergence_histogram": buckets,
+        # the unquantized run's top-1 minus top-2 logprob where int8 first picks another token, next to
+        # the median over every generated token: divergences happen at near-ties
+        "top2_gap_at_divergence_median": round(sorted(gaps)[len(gaps) // 2], 4) if gaps else None,
+        "top2_gap_at_divergence_max": round(max(gaps), 4) if gaps else None,
+        "top2_gap_all_tokens_median": round(all_gaps[len(all_gaps) // 2], 4),
     }
 
 
