@@ -56,9 +56,9 @@ class SpeculativeConfig:
     """Draft up to `num_speculative_tokens` tokens per decode step and verify them in one forward pass."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     # ngram: match the last n tokens (n from max down to min) against earlier prompt + output text
-    prompt_lookup_min: int = 2
+    prompt_lookup_min: int = 3
     prompt_lookup_max: int = 4
     # no drafts in steps with more running sequences than this (verification rows stop being nearly
     # free once the batch itself fills the matmuls); None: always draft

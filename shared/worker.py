@@ -27,9 +27,9 @@ class SpeculativeSettings(BaseModel):
 
     method: Literal["ngram"] = "ngram"
     num_speculative_tokens: int = Field(8, ge=1, le=32)
-    prompt_lookup_min: int = Field(2, ge=1)
+    prompt_lookup_min: int = Field(3, ge=1)
     prompt_lookup_max: int = Field(4, ge=1)
-    disable_by_batch_size: int | None = Field(8, ge=1)
+    disable_by_batch_size: int | None = Field(None, ge=1)
 
     def engine_config(self) -> SpeculativeConfig:
         return SpeculativeConfig(**self.model_dump())

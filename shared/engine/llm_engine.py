@@ -185,6 +185,7 @@ class LLMEngine:
             seq.num_draft_tokens += result.num_draft_tokens
             seq.num_accepted_tokens += result.num_accepted
             seq.num_verifications += 1
+            self.scheduler.drafter.observe(seq, result.num_draft_tokens, result.num_accepted)
             self.num_draft_tokens += result.num_draft_tokens
             self.num_accepted_tokens += result.num_accepted
             self.num_verifications += 1

@@ -44,6 +44,7 @@ class Sequence:
     num_draft_tokens: int = 0  # speculative decoding: drafted, accepted, verification steps
     num_accepted_tokens: int = 0
     num_verifications: int = 0
+    draft_limit: int | None = None  # adaptive cap on the next draft's length (None: the configured k)
     # (logprob of prompt token i, its top alternatives) for i < len(list); position 0 has neither.
     # None: not asked for, or computed elsewhere (an adopted sequence: the prefill engine has them).
     prompt_logprobs: list[tuple[float | None, tuple[tuple[int, float], ...] | None]] | None = None

@@ -1,4 +1,9 @@
-"""Per-sequence draft lengths: the proposer's guess, capped so a verification never overruns a limit."""
+"""Per-sequence draft lengths: the proposer's guess, capped so a verification never overruns a limit.
+
+The cap adapts per sequence: after a rejection the next draft is at most one longer than what was
+accepted, after a fully accepted draft the cap doubles (up to num_speculative_tokens). Text that
+copies keeps long drafts; chat that only matches by chance pays for about one extra row per step.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ class Drafter:
         """Draft tokens for a decoding sequence: its verification computes rows at positions
         len(seq) - 1 .. len(seq) - 1 + len(draft), and emits at most len(draft) + 1 tokens."""
         limit = min(
-            self.num_speculative_tokens,
+            self.num_speculative_tokens if seq.draft_limit is None else seq.draft_limit,
             budget,
             seq.params.max_tokens - seq.num_output_tokens - 1,  # the bonus token is the last one allowed
             self.max_model_len - len(seq),
@@ -36,3 +41,10 @@ class Drafter:
         if limit <= 0 or seq.prefill_only:
             return []
         return self.proposer.propose(seq.token_ids, limit)
+
+    def observe(self, seq: Sequence, num_draft_tokens: int, num_accepted: int) -> None:
+        """Adapt the sequence's draft cap to how its last verification went."""
+        if num_accepted == num_draft_tokens:
+            seq.draft_limit = min(self.num_speculative_tokens, 2 * max(num_draft_tokens, seq.draft_limit or 1))
+        else:
+            seq.draft_limit = num_accepted + 1

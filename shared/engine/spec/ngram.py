@@ -1,4 +1,5 @@
-"""Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's last n tokens."""
+"""Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's last n tokens
+(a span that runs into the end of the sequence continues periodically)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ class NgramProposer(Proposer):
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             start = _latest_match(token_ids, n)
             if start is not None:
-                return list(token_ids[start + n : start + n + max_tokens])
+                proposal = list(token_ids[start + n : start + n + max_tokens])
+                # a match close to the end is a repeating span: continue it with its own period
+                period = len(proposal)
+                while len(proposal) < max_tokens:
+                    proposal.append(proposal[len(proposal) - period])
+                return proposal
         return []
 
 

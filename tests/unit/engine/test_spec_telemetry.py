@@ -39,6 +39,6 @@ def test_worker_config_reaches_the_engine_config():
     assert WorkerConfig().engine_config().speculative is None
     config = WorkerConfig.model_validate({"speculative": {"num_speculative_tokens": 5, "prompt_lookup_max": 3}})
     spec = config.engine_config().speculative
-    assert spec == SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=2, prompt_lookup_max=3,
-                                     disable_by_batch_size=SpeculativeSettings().disable_by_batch_size)
+    assert spec == SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_max=3)
+    assert SpeculativeSettings().engine_config() == SpeculativeConfig()  # one set of defaults
     assert WorkerConfig.model_validate(config.model_dump()) == config  # survives the trip to the replica

@@ -87,7 +87,8 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 2) == [8, 1]  # latest of the 3-gram
     assert proposer.propose([4, 2, 3, 5, 6, 7, 2, 3], 5) == [5, 6, 7, 2, 3]
     assert proposer.propose([1, 2, 3, 4], 3) == []
-    assert proposer.propose([5, 1, 5], 3) == [1, 5]
+    assert proposer.propose([5, 1, 5], 3) == [1, 5, 1]  # runs into the end: continues with period 2
+    assert proposer.propose([9, 1, 2, 3, 1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
     assert NgramProposer(2, 3).propose([5, 1, 5], 3) == []  # a 1-gram is below the minimum
     assert proposer.propose([1, 1], 0) == []
 
@@ -99,6 +100,28 @@ def test_registry_builds_the_configured_method():
         create_proposer(SpeculativeConfig(method="medusa"))
     with pytest.raises(ValueError):
         SpeculativeConfig(num_speculative_tokens=0)
+
+
+def test_drafter_caps_adapt_to_acceptance_and_limits():
+    from pdserve.engine.sequence import Sequence
+    from pdserve.engine.spec import Drafter
+
+    drafter = Drafter(NgramProposer(1, 2), 8, max_model_len=64, disable_by_batch_size=4)
+    seq = Sequence("r", [1, 2, 3, 4, 5] * 4, SamplingParams(max_tokens=30), 4)
+    seq.token_ids.append(1)  # one output token: decoding
+    assert len(drafter.draft(seq, budget=100)) == 8
+    assert len(drafter.draft(seq, budget=3)) == 3
+    drafter.observe(seq, 8, 2)  # rejected at the third: next draft at most 3
+    assert len(drafter.draft(seq, budget=100)) == 3
+    drafter.observe(seq, 3, 3)  # all accepted: the cap doubles
+    assert len(drafter.draft(seq, budget=100)) == 6
+    near_end = Sequence("e", [1, 2, 3, 4, 5] * 4, SamplingParams(max_tokens=3), 4)
+    near_end.token_ids += [1, 2]
+    assert len(drafter.draft(near_end, budget=100)) == 0  # the bonus token is the last one allowed
+    long = Sequence("l", [1, 2, 3, 4, 5] * 12, SamplingParams(max_tokens=30), 4)
+    long.token_ids += [1]
+    assert len(drafter.draft(long, budget=100)) == 64 - 61
+    assert drafter.is_enabled(4) and not drafter.is_enabled(5)
 
 
 # --- identity with plain decoding -----------------------------------------------------------------
