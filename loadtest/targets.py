@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from pdserve.registry import load
+from pdserve.serve_env import IngressMode, app_ports, serve_env
 
 # what a target deploys, by import path (as a Serve config file names it): the builder validates the dict
 APP_BUILDERS = {"system": "pdserve.services.app:build_system"}
@@ -61,15 +63,23 @@ class LocalServe:
     port: int
     owned_ray: bool
     owned_serve: bool
+    direct_ports: range | None = None  # direct ingress: each app's router listens on one of these
 
-    def url(self, route_prefix: str) -> str:
+    def url(self, route_prefix: str, app_name: str | None = None) -> str:
+        """An app's base URL: its router's own port with direct ingress, else the proxy's."""
+        port = self.port
+        if self.direct_ports is not None and app_name is not None:
+            port = app_ports(self.host, self.direct_ports).get(app_name, port)
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return check_url(f"http://{host}:{self.port}{route_prefix.rstrip('/')}")
+        return check_url(f"http://{host}:{port}{route_prefix.rstrip('/')}")
 
 
 @contextmanager
-def local_serve(ray_options: dict[str, Any] | None = None, port: int = 0) -> Iterator[LocalServe]:
-    """Joins a Ray + Serve already running in this process (tests), else starts local ones.
+def local_serve(
+    ray_options: dict[str, Any] | None = None, port: int = 0, ingress: IngressMode = "direct",
+) -> Iterator[LocalServe]:
+    """Joins a Ray + Serve already running in this process (tests), else starts local ones, with the
+    settings `pdserve serve` uses (direct ingress by default: each app's router on a port of its own).
 
     An instance not started here is never shut down here.
     """
@@ -77,8 +87,16 @@ def local_serve(ray_options: dict[str, Any] | None = None, port: int = 0) -> Ite
     from ray import serve
     from ray.serve.context import _get_global_client
 
+    from pdserve.redis_server import free_port
+
     owned_ray = not ray.is_initialized()
+    direct_ports = None
     if owned_ray:
+        if ingress == "direct":
+            first = free_port()
+            direct_ports = range(first, first + 4)  # an app deployed at a time, and room for a restart
+        os.environ.update(serve_env(ingress, direct_ports.start if direct_ports else 0, None,
+                                    num_ports=len(direct_ports) if direct_ports else 1))
         # address="local": a fresh instance of our own, never an unrelated cluster found on the host
         ray.init(**{"address": "local", "include_dashboard": False, "configure_logging": False,
                     "log_to_driver": False, **(ray_options or {})})
@@ -86,15 +104,13 @@ def local_serve(ray_options: dict[str, Any] | None = None, port: int = 0) -> Ite
     try:
         client = _get_global_client(raise_if_no_controller_running=False)
         if client is None:
-            from pdserve.redis_server import free_port
-
             port = port or free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             owned_serve = True
             client = _get_global_client()
         http = client.http_config
         host = http.host if http.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        yield LocalServe(host, http.port, owned_ray, owned_serve)
+        yield LocalServe(host, http.port, owned_ray, owned_serve, direct_ports)
     finally:
         if owned_serve:
             serve.shutdown()
@@ -114,7 +130,7 @@ def deployed(local: LocalServe, system: dict[str, Any], app_name: str, route_pre
     build = load(APP_BUILDERS, "system", "app builder")
     try:
         serve.run(build(system), name=app_name, route_prefix=route_prefix)
-        url = local.url(route_prefix)
+        url = local.url(route_prefix, app_name)
         wait_healthy(url, health_timeout_s)
         yield url
     finally:

@@ -167,6 +167,7 @@ def _start_sink(sink: list) -> dict[str, str]:
 def _routed(
     prompts, concurrencies, num_requests, max_tokens, env: dict[str, str], tracing=None,
     streaming: dict[str, Any] | None = None, ingress: str = "direct", grpc_handles: bool = True,
+    worker_niceness: int = 0,
 ) -> dict[str, dict[str, Any]]:
     import httpx
     import ray
@@ -175,12 +176,12 @@ def _routed(
     from pdserve.engine.async_engine import AsyncLLMEngine
     from pdserve.redis_server import free_port
     from pdserve.services.app import SystemConfig, build_system
-    from pdserve.services.ingress import app_ports, serve_env
+    from pdserve.serve_env import app_ports, serve_env
     from pdserve.worker import WorkerConfig
 
     port, direct_port = free_port(), free_port()
     ports = range(direct_port, direct_port + 3)  # direct ingress: a port per app deployed at once
-    os.environ.update(serve_env(ingress, direct_port, None, grpc_handles, len(ports)))
+    os.environ.update(serve_env(ingress, direct_port, None, grpc_handles, len(ports), worker_niceness))
     streaming = streaming or {}
     worker = {"num_cpus": 1, "num_blocks": 512, **streaming}
     router_streaming = {k: v for k, v in streaming.items() if k in ("stream_coalesce", "stream_interval_ms")}
@@ -231,13 +232,15 @@ def run(
     num_requests: int = 64, concurrencies: tuple[int, ...] = (1, 16), prompt_tokens: int = 16,
     max_tokens: int = 64, seed: int = 0, env: dict[str, str] | None = None, tracing: bool = False,
     streaming: dict[str, Any] | None = None, ingress: str = "direct", grpc_handles: bool = True,
+    worker_niceness: int = 0,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(0, 256) for _ in range(prompt_tokens)] for _ in range(16)]
     sink: list = []  # started after Ray: a live gRPC server in this process breaks Ray's fork of its raylet
     try:
         routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {},
-                         (lambda: _start_sink(sink)) if tracing else None, streaming, ingress, grpc_handles)
+                         (lambda: _start_sink(sink)) if tracing else None, streaming, ingress, grpc_handles,
+                         worker_niceness)
     except BaseException:
         if sink:
             sink[0].stop(grace=None)
@@ -247,6 +250,7 @@ def run(
         "bench": "router", "model": "tiny", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "prompt_tokens": prompt_tokens, "output_tokens": max_tokens, "env": env or {},
         "streaming": streaming or {}, "ingress": ingress, "grpc_handles": grpc_handles,
+        "worker_niceness": worker_niceness,
     }
     if sink:
         result["otlp_exports_received"] = sink[2]["exports"]
@@ -319,6 +323,8 @@ def main(argv: list[str]) -> int:
                    help="how HTTP reaches the router (pdserve serve's default: direct)")
     p.add_argument("--no-grpc-handles", action="store_true",
                    help="deployments call each other as Ray actor calls, not Serve's gRPC (attribution)")
+    p.add_argument("--worker-niceness", type=int, default=0,
+                   help="niceness of the Ray workers (Ray's own default: 15; pdserve serve: 0)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     streaming: dict[str, Any] = {"stream_coalesce": not args.no_coalesce, "stream_interval_ms": args.stream_interval_ms}
@@ -329,6 +335,6 @@ def main(argv: list[str]) -> int:
     env = dict(item.split("=", 1) for item in args.env)
     result = run(args.requests, tuple(int(c) for c in args.concurrency.split(",")), args.prompt_tokens,
                  args.output_tokens, args.seed, env, args.tracing, streaming, args.ingress,
-                 not args.no_grpc_handles)
+                 not args.no_grpc_handles, args.worker_niceness)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -63,7 +63,7 @@ def _ingress(args: argparse.Namespace, config) -> str:
     `ray.init` hands to every Ray worker."""
     import os
 
-    from pdserve.services.ingress import serve_env
+    from pdserve.serve_env import serve_env
 
     ingress = args.ingress
     if ingress == "direct" and config.router.get("num_replicas", 1) > 1:
@@ -105,7 +105,7 @@ def serve_main(argv: list[str]) -> int:
         from pdserve.services.app import build_system
         from pdserve.services.cpu_shares import Unschedulable, check_labels, fit_cpu_shares
         from pdserve.redis_server import free_port
-        from pdserve.services.ingress import routes_at
+        from pdserve.serve_env import routes_at
         from pdserve.v1 import SERVICER_FUNCTION
 
         redis_url = args.redis_url

@@ -14,8 +14,8 @@ from ray.serve import Application
 
 from pdserve.contract import DecodeEvent, FallbackNotice, HandoffParams, TokenBatch, WorkerRequest
 from pdserve.engine.async_engine import AsyncLLMEngine
-from pdserve.engine.coalesce import coalesced
-from pdserve.engine.outputs import GenerationRequest
+from pdserve.engine.coalesce import merge_deltas
+from pdserve.engine.outputs import GenerationRequest, TokenDelta
 from pdserve import trace_attributes as ta
 from pdserve.kvcache.handoff import KVImporter, engine_layout
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
@@ -58,11 +58,13 @@ class DecodeDeployment(WorkerEndpoints):
                     yield fallback
             else:
                 metrics.add_prompt_tokens(len(prompt))
-            stream = self.engine.generate(gen)
-            if self.config.stream_coalesce:
-                stream = coalesced(stream, self.config.stream_interval_ms / 1e3)
-            async with aclosing(stream) as deltas:  # closed at once when the caller goes: the engine aborts
-                async for delta in deltas:
+            if self.config.stream_coalesce:  # everything produced since the router took the last batch
+                stream = self.engine.generate_batches(gen, self.config.stream_interval_ms / 1e3)
+            else:
+                stream = _singles(self.engine.generate(gen))
+            async with aclosing(stream) as batches:  # closed at once when the caller goes: the engine aborts
+                async for batch in batches:
+                    delta = batch[0] if len(batch) == 1 else merge_deltas(batch)
                     if num_tokens == 0:
                         queue = delta.queue_time_s or 0.0
                         metrics.observe_queue(queue)
@@ -109,6 +111,12 @@ class DecodeDeployment(WorkerEndpoints):
 
     def fallbacks(self) -> dict[str, int]:
         return dict(self.importer.fallbacks)
+
+
+async def _singles(deltas: AsyncIterator[TokenDelta]) -> AsyncIterator[list[TokenDelta]]:
+    async with aclosing(deltas) as stream:
+        async for delta in stream:
+            yield [delta]
 
 
 def build_app(config: WorkerConfig | dict[str, Any]) -> Application:

@@ -7,7 +7,9 @@ and by the step itself (on the worker thread), never by both at once.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.config import EngineConfig
@@ -35,6 +37,17 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        async with aclosing(self.generate_batches(request)) as batches:
+            async for batch in batches:
+                for delta in batch:
+                    yield delta
+
+    async def generate_batches(
+        self, request: GenerationRequest, interval_s: float = 0.0
+    ) -> AsyncIterator[list[TokenDelta]]:
+        """The request's deltas, grouped: the first at once, then everything the engine produced while
+        the consumer was away (one delta per batch when it keeps up, with no timer). `interval_s` > 0
+        caps batches at one per interval. Closing this aborts the request."""
         queue: asyncio.Queue = asyncio.Queue()
         added = False
         try:
@@ -50,13 +63,22 @@ class AsyncLLMEngine:
                 await asyncio.shield(self.release_lease(request.adopt_lease_id))
         self._wake_loop()
         finished = False
+        last_batch: float | None = None
         try:
             while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                batch = [await queue.get()]
+                if interval_s > 0 and last_batch is not None:
+                    await asyncio.sleep(last_batch + interval_s - time.monotonic())
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                failed = next((k for k, item in enumerate(batch) if isinstance(item, BaseException)), None)
+                if failed is not None:  # what preceded the failure, then the failure
+                    if failed:
+                        yield batch[:failed]
+                    raise batch[failed]
+                finished = batch[-1].finished
+                last_batch = time.monotonic()
+                yield batch
         finally:
             if not finished:
                 await self.abort(request.request_id)

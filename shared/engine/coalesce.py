@@ -1,12 +1,12 @@
-"""Coalesced token streams: the deltas produced since the consumer last took one, merged into one."""
+"""Coalesced token streams: the deltas produced since the consumer last took one, merged into one
+(`AsyncLLMEngine.generate_batches` groups them)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 from pdserve.engine.outputs import TokenDelta
-from pdserve.streams import batches
 
 
 def _concat(a: tuple | None, b: tuple | None) -> tuple | None:
@@ -33,14 +33,3 @@ def merge_deltas(deltas: Sequence[TokenDelta]) -> TokenDelta:
                                  else d.prompt_top_logprobs),
         )
     return merged
-
-
-async def coalesced(deltas: AsyncIterator[TokenDelta], interval_s: float = 0.0) -> AsyncIterator[TokenDelta]:
-    """`deltas` with whatever queued up while the consumer was away merged into one delta; closing this
-    closes `deltas` (the engine aborts the request)."""
-    stream = batches(deltas, interval_s)
-    try:
-        async for batch in stream:
-            yield merge_deltas(batch)
-    finally:
-        await stream.aclose()

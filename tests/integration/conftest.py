@@ -89,11 +89,11 @@ def ray_serve():
     from pdserve.redis_server import free_port
     from pdserve.v1 import SERVICER_FUNCTION
 
-    from pdserve.services.ingress import HANDLE_ENV
+    from pdserve.serve_env import BASE_ENV
 
     started = not ray.is_initialized()
     if started:
-        os.environ.update(HANDLE_ENV)  # deployment handles over gRPC, as `pdserve serve` runs them
+        os.environ.update(BASE_ENV)  # as `pdserve serve` runs Ray and Serve
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     # HTTP and gRPC on free ports: `serve.http_port` / `serve.grpc_port` tell tests where the proxy listens
     port, grpc_port = free_port(), free_port()

@@ -48,3 +48,22 @@ def test_smoke_scenario_end_to_end(ray_serve, tmp_path):
 
     md = (tmp_path / "summary.md").read_text()
     assert "## Verdict" in md and "![attainment_vs_rate](attainment_vs_rate.png)" in md
+
+
+def test_the_smoke_scenario_as_users_run_it(tmp_path):
+    """`pdserve-loadtest scenario FILE --out DIR` in a process of its own: it starts its own Ray with the
+    settings `pdserve serve` uses (direct ingress: each target's router on a port of its own), and every
+    request it sends is answered."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cli = Path(sys.executable).with_name("pdserve-loadtest")
+    out = subprocess.run([str(cli), "scenario", str(SMOKE), "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for target in summary["targets"]:
+        for point in target["points"]:
+            c = point["summary"]["counts"]
+            assert c["completed"] == c["total"] > 0, (target["name"], c)

@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import AsyncLLMEngine, GenerationRequest, LLMEngine, TokenDelta
+from pdserve.engine.outputs import EngineStats
 from pdserve.models.tiny import ensure_tiny_checkpoint
 from pdserve.sampling_params import SamplingParams
 
@@ -348,3 +349,32 @@ def test_a_stream_cancelled_before_it_adopts_its_lease_frees_the_leased_kv(tiny_
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_generate_batches_groups_what_the_consumer_missed(tiny_dir: Path) -> None:
+    """A consumer that keeps up gets one delta per batch; one that lags gets fewer, larger batches holding
+    the same deltas in order, the first batch at once; closing early aborts and frees every block."""
+
+    async def main() -> tuple[list[int], list[list[TokenDelta]], list[list[TokenDelta]], EngineStats]:
+        engine = make_engine(tiny_dir)
+        try:
+            reference = [t for d in await collect(engine, request("ref", b"batches", 24)) for t in d.token_ids]
+            eager = [b async for b in engine.generate_batches(request("eager", b"batches", 24))]
+            lagging = []
+            async for batch in engine.generate_batches(request("lag", b"batches", 24)):
+                lagging.append(batch)
+                await asyncio.sleep(0.05)  # several steps go by
+            stream = engine.generate_batches(request("early", b"batches", 24))
+            await anext(stream)
+            await stream.aclose()
+            return reference, eager, lagging, engine.stats()
+        finally:
+            await engine.close()
+
+    reference, eager, lagging, stats = asyncio.run(main())
+    assert sum(len(b) == 1 for b in eager) >= 0.8 * len(eager)  # a busy machine may still hold one back
+    assert [t for b in eager for d in b for t in d.token_ids] == reference
+    assert len(lagging[0]) == 1 and len(lagging) < len(reference)
+    assert [t for b in lagging for d in b for t in d.token_ids] == reference
+    assert lagging[-1][-1].finished and not any(d.finished for b in lagging for d in b[:-1] if d is not b[-1])
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
