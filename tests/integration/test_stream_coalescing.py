@@ -88,6 +88,62 @@ def test_coalesced_streams_carry_the_same_content(servers, path, body):
     assert all(c["finish"] for c in plain["choices"].values())
 
 
+GRPC_CASES = [
+    {"text": LONG, "max_tokens": 24, "temperature": 0.0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2,
+     "include_usage": True},
+    {"text": LONG, "n": 2, "seed": 11, "temperature": 1.0, "max_tokens": 16, "ignore_eos": True},
+    {"text": "Hello", "max_tokens": 40, "temperature": 0.0, "ignore_eos": True, "stop": ["e", "ab"]},
+    {"messages": [{"role": "user", "content": LONG}], "max_tokens": 20, "temperature": 0.0, "ignore_eos": True,
+     "logprobs": True, "top_logprobs": 1, "include_usage": True},
+]
+
+
+def _grpc_content(ray_serve, app: str, params: dict, lag_s: float = 0.0) -> tuple[dict, int]:
+    """What a gRPC client reconstructs (per choice: token ids, text, logprobs, finish reason; the usage),
+    and how many messages carried tokens."""
+    import asyncio
+
+    from pdserve.v1.client import GenerateClient
+
+    async def main() -> list:
+        async with GenerateClient(f"127.0.0.1:{ray_serve.grpc_port}", application=app) as client:
+            chunks = []
+            async for chunk in client.generate(model="tiny", **params):
+                chunks.append(chunk)
+                if lag_s:
+                    await asyncio.sleep(lag_s)
+            return chunks
+
+    chunks = asyncio.run(main())
+    out: dict = {"usage": None, "choices": {}}
+    for chunk in chunks:
+        if chunk.HasField("usage"):
+            out["usage"] = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+            continue
+        c = out["choices"].setdefault(chunk.index, {"ids": [], "text": "", "logprobs": [], "finish": ""})
+        c["ids"] += list(chunk.token_ids)
+        c["text"] += chunk.text
+        c["logprobs"] += [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in chunk.logprobs]
+        c["finish"] = chunk.finish_reason or c["finish"]
+    return out, sum(1 for c in chunks if c.token_ids)
+
+
+@pytest.mark.parametrize("params", GRPC_CASES)
+def test_coalesced_grpc_streams_carry_the_same_content(servers, ray_serve, params):
+    plain, _ = _grpc_content(ray_serve, "coalesce-off", params)
+    slow, _ = _grpc_content(ray_serve, "coalesce-on", params, lag_s=0.3)
+    assert slow == plain
+    assert all(c["finish"] for c in plain["choices"].values())
+
+
+def test_a_lagging_grpc_reader_gets_fewer_larger_messages(servers, ray_serve):
+    params = {"text": LONG, "max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+    plain, off_messages = _grpc_content(ray_serve, "coalesce-off", params)
+    capped, capped_messages = _grpc_content(ray_serve, "coalesce-200ms", params)
+    assert capped == plain and off_messages == 48
+    assert capped_messages < off_messages / 2  # ~48 tokens over several 200 ms windows
+
+
 def _counter(url: str, name: str) -> float:
     match = re.search(rf"^{name}_total(?:{{[^}}]*}})? ([0-9.e+]+)$", httpx.get(f"{url}/metrics").text, re.M)
     return float(match.group(1)) if match else 0.0
