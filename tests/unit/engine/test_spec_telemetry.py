@@ -42,3 +42,11 @@ def test_worker_config_reaches_the_engine_config():
     assert spec == SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_max=3)
     assert SpeculativeSettings().engine_config() == SpeculativeConfig()  # one set of defaults
     assert WorkerConfig.model_validate(config.model_dump()) == config  # survives the trip to the replica
+
+
+def test_system_config_turns_it_on_for_decode_only():
+    from pdserve.services.app import SystemConfig
+
+    system = SystemConfig.model_validate({"decode": {"speculative": {"num_speculative_tokens": 6}}})
+    assert system.worker("decode").engine_config().speculative == SpeculativeConfig(num_speculative_tokens=6)
+    assert system.worker("prefill").engine_config().speculative is None
