@@ -45,32 +45,51 @@ def _fill(engine: LLMEngine, seed: int) -> None:
         engine.runner.kv_pool.normal_(generator=gen)
 
 
-def decode_tokens_per_s(model: str, kv_cache_dtype: str, steps: int = 5, seed: int = 0) -> dict:
-    block_size = 16
-    blocks_per_seq = CONTEXT // block_size
-    config = EngineConfig(model=model, device="cpu", dtype="float32",
-                          cache=CacheConfig(block_size=block_size, num_blocks=BATCH * blocks_per_seq + 1,
-                                            kv_cache_dtype=kv_cache_dtype))
-    engine = LLMEngine(config)
-    _fill(engine, seed)
-    runner = engine.runner
-    seqs = [_Decoding(CONTEXT, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i in range(BATCH)]
-    # the new token sits at position CONTEXT - 1 of each sequence (its slot is overwritten every step)
-    slots = [s.block_table[-1] * block_size + block_size - 1 for s in seqs]
-    to = dict(dtype=torch.int64, device=runner.device)
-    input_ids = torch.randint(0, engine.model_config.vocab_size, (BATCH,), generator=torch.Generator().manual_seed(seed))
-    positions = torch.full((BATCH,), CONTEXT - 1, **to)
-    times = []
-    with torch.inference_mode():
-        for step in range(steps + 1):  # the first step warms up
-            begin = time.perf_counter()
-            meta = runner._metadata(seqs, slots, [])
-            hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
-            runner.model.compute_logits(hidden)
-            if step:
-                times.append(time.perf_counter() - begin)
-    pool_bytes = runner.kv_pool.numel() * runner.kv_pool.element_size()
-    del engine
-    step_s = sorted(times)[len(times) // 2]
-    return {"tok_s": round(BATCH / step_s, 2), "step_ms_median": round(step_s * 1e3, 1), "steps": steps,
-            "kv_read_bytes_per_step": pool_bytes * BATCH * blocks_per_seq // (BATCH * blocks_per_seq + 1)}
+class _Stepper:
+    """One engine with BATCH sequences of CONTEXT tokens in a synthetic pool, stepped as the engine would."""
+
+    def __init__(self, model: str, kv_cache_dtype: str, seed: int) -> None:
+        block_size = 16
+        blocks_per_seq = CONTEXT // block_size
+        config = EngineConfig(model=model, device="cpu", dtype="float32",
+                              cache=CacheConfig(block_size=block_size, num_blocks=BATCH * blocks_per_seq + 1,
+                                                kv_cache_dtype=kv_cache_dtype))
+        self.engine = LLMEngine(config)
+        _fill(self.engine, seed)
+        self.runner = self.engine.runner
+        self.seqs = [_Decoding(CONTEXT, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
+                     for i in range(BATCH)]
+        # the new token sits at position CONTEXT - 1 of each sequence (its slot is overwritten every step)
+        self.slots = [s.block_table[-1] * block_size + block_size - 1 for s in self.seqs]
+        vocab = self.engine.model_config.vocab_size
+        self.input_ids = torch.randint(0, vocab, (BATCH,), generator=torch.Generator().manual_seed(seed))
+        self.positions = torch.full((BATCH,), CONTEXT - 1, dtype=torch.int64)
+        pool = self.runner.kv_pool
+        self.kv_bytes = pool.numel() * pool.element_size() * (BATCH * blocks_per_seq) // pool.shape[0]
+
+    @torch.inference_mode()
+    def step_s(self) -> float:
+        begin = time.perf_counter()
+        meta = self.runner._metadata(self.seqs, self.slots, [])
+        hidden = self.runner.model(self.input_ids, self.positions, self.runner.kv_caches, meta)
+        self.runner.model.compute_logits(hidden)
+        return time.perf_counter() - begin
+
+
+def decode_tokens_per_s(model: str, kv_cache_dtypes: tuple[str, ...], steps: int = 5, seed: int = 0) -> dict:
+    """Steps of each KV dtype interleaved (a, b, a, b, ...) after one warm-up each, so that a machine
+    shared with other work slows them alike; tokens/s from the median step."""
+    steppers = {kv: _Stepper(model, kv, seed) for kv in kv_cache_dtypes}
+    for stepper in steppers.values():
+        stepper.step_s()
+    times: dict[str, list[float]] = {kv: [] for kv in kv_cache_dtypes}
+    for _ in range(steps):
+        for kv, stepper in steppers.items():
+            times[kv].append(stepper.step_s())
+    out = {}
+    for kv, samples in times.items():
+        median = sorted(samples)[len(samples) // 2]
+        out[kv] = {"tok_s": round(BATCH / median, 2), "step_ms_median": round(median * 1e3, 1),
+                   "step_ms_min": round(min(samples) * 1e3, 1), "steps": steps,
+                   "kv_bytes_read_per_step": steppers[kv].kv_bytes}
+    return out

@@ -50,6 +50,7 @@ class ModelRunner:
         # one buffer. kv_pool: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (auto), else
         # [num_blocks, block_nbytes] uint8 (pdserve.kvcache.quant)
         self.kv_cache_dtype = kv_cache_dtype
+        self.dtype = dtype
         self.kv_pool, self.kv_caches = allocate_kv_cache(config, block_size, num_blocks, dtype, kv_cache_dtype, self.device)
         self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self.attention_backend = attention_backend(str(self.device), override=attention_override)
@@ -139,13 +140,14 @@ class ModelRunner:
             num_decode_tokens=len(decodes),
             decode_groups=tuple(groups),
             prefills=tuple(chunks),
-            workspace=self._workspace(needed) if needed and not triton and self.kv_cache_dtype == "auto" else None,
+            workspace=self._workspace(needed) if needed and not triton else None,
             backend=self.attention_backend,
         )
 
     def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.workspace is None or self.workspace[0].shape[0] < num_blocks:
-            shape = (max(num_blocks, 64) * 3 // 2, *self.kv_pool.shape[3:])
-            kw = dict(dtype=self.kv_pool.dtype, device=self.device)
+            # gathered (quantized pools: dequantized) blocks in the model dtype: [n, block_size, Hkv, D]
+            shape = (max(num_blocks, 64) * 3 // 2, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+            kw = dict(dtype=self.dtype, device=self.device)
             self.workspace = (torch.empty(shape, **kw), torch.empty(shape, **kw))
         return self.workspace

@@ -74,11 +74,17 @@ def store_quantized(
 
 
 def gather_dequantized(
-    cache: QuantizedCache, blocks: torch.Tensor, dtype: torch.dtype
+    cache: QuantizedCache, blocks: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    # blocks: [n] -> [n, block_size, Hkv, D] in `dtype`
+    # blocks: [n] -> [n, block_size, Hkv, D] in `dtype`; fp32 results go into `out` when it is big enough
+    # (fresh multi-MB buffers cost more in page faults than the arithmetic on CPU)
     data = cache.data.view(torch.uint8).index_select(0, blocks).view(cache.data.dtype)
-    return dequantize(data, cache.scale.index_select(0, blocks), dtype)
+    scale = cache.scale.index_select(0, blocks)
+    if out is None or dtype != torch.float32 or out.dtype != dtype or out.shape[0] < blocks.numel():
+        return dequantize(data, scale, dtype)
+    result = out[: blocks.numel()]
+    result.copy_(data)  # int8 / fp8 -> fp32 is exact
+    return result.mul_(scale.float()[..., None])
 
 
 def store_kvcache_quant_ref(

@@ -74,7 +74,7 @@ def gather_blocks(cache: KVCache, block_table: torch.Tensor, length: int, dtype:
 
 def _gather(cache: KVCache, blocks: torch.Tensor, buffer: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(cache, QuantizedCache):
-        return gather_dequantized(cache, blocks, dtype)
+        return gather_dequantized(cache, blocks, dtype, out=buffer)
     if buffer is None or buffer.shape[0] < blocks.numel():
         return cache.index_select(0, blocks)
     return torch.index_select(cache, 0, blocks, out=buffer[: blocks.numel()])
