@@ -167,7 +167,7 @@ def _start_sink(sink: list) -> dict[str, str]:
 def _routed(
     prompts, concurrencies, num_requests, max_tokens, env: dict[str, str], tracing=None,
     streaming: dict[str, Any] | None = None, ingress: str = "direct", grpc_handles: bool = True,
-    worker_niceness: int = 0,
+    worker_niceness: int = 0, isolated: bool = False,
 ) -> dict[str, dict[str, Any]]:
     import httpx
     import ray
@@ -212,6 +212,8 @@ def _routed(
                     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
                         ones = [_direct_one(engine, max_tokens)] + [
                             _http_one(client, urls[name], max_tokens) for name, _, _ in group]
+                        if isolated:  # each path alone on the machine, one after another
+                            return [(await _levels(o, prompts, concurrencies, num_requests))[0] for o in ones]
                         return await _levels(_alternating(ones), prompts, concurrencies, num_requests, len(ones))
                 finally:
                     await engine.close()
@@ -232,7 +234,7 @@ def run(
     num_requests: int = 64, concurrencies: tuple[int, ...] = (1, 16), prompt_tokens: int = 16,
     max_tokens: int = 64, seed: int = 0, env: dict[str, str] | None = None, tracing: bool = False,
     streaming: dict[str, Any] | None = None, ingress: str = "direct", grpc_handles: bool = True,
-    worker_niceness: int = 0,
+    worker_niceness: int = 0, isolated: bool = False,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(0, 256) for _ in range(prompt_tokens)] for _ in range(16)]
@@ -240,7 +242,7 @@ def run(
     try:
         routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {},
                          (lambda: _start_sink(sink)) if tracing else None, streaming, ingress, grpc_handles,
-                         worker_niceness)
+                         worker_niceness, isolated)
     except BaseException:
         if sink:
             sink[0].stop(grace=None)
@@ -250,7 +252,7 @@ def run(
         "bench": "router", "model": "tiny", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "prompt_tokens": prompt_tokens, "output_tokens": max_tokens, "env": env or {},
         "streaming": streaming or {}, "ingress": ingress, "grpc_handles": grpc_handles,
-        "worker_niceness": worker_niceness,
+        "worker_niceness": worker_niceness, "isolated": isolated,
     }
     if sink:
         result["otlp_exports_received"] = sink[2]["exports"]
@@ -325,6 +327,9 @@ def main(argv: list[str]) -> int:
                    help="deployments call each other as Ray actor calls, not Serve's gRPC (attribution)")
     p.add_argument("--worker-niceness", type=int, default=0,
                    help="niceness of the Ray workers (Ray's own default: 15; pdserve serve: 0)")
+    p.add_argument("--isolated", action="store_true",
+                   help="measure each path alone, one after another, instead of alternating requests between "
+                        "them (at concurrency 16 alternating paths split the CPU, so E2E compares CPU shares)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     streaming: dict[str, Any] = {"stream_coalesce": not args.no_coalesce, "stream_interval_ms": args.stream_interval_ms}
@@ -335,6 +340,6 @@ def main(argv: list[str]) -> int:
     env = dict(item.split("=", 1) for item in args.env)
     result = run(args.requests, tuple(int(c) for c in args.concurrency.split(",")), args.prompt_tokens,
                  args.output_tokens, args.seed, env, args.tracing, streaming, args.ingress,
-                 not args.no_grpc_handles, args.worker_niceness)
+                 not args.no_grpc_handles, args.worker_niceness, args.isolated)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -126,6 +126,9 @@ class DispatchMixin:
                 stream = self.decode.options(stream=True).generate.remote(request.to(placement.decode_replica))
             async for event in stream:
                 if isinstance(event, FallbackNotice):  # counted and traced by decode, whose series carry the reason
+                    if handoff is not None:  # decode prefills locally: nobody will pull the prefill lease now
+                        self._spawn(self.prefill.abort.remote(handoff.lease_id))
+                        handoff = None
                     continue
                 imported = True
                 finished = event.finished
