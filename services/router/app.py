@@ -184,21 +184,24 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
             first = await first_event(events, self.config.retry_after_s)
         except APIError as err:
             return self._reject(err, endpoint)
-        self.api_metrics.requests.labels(endpoint, "200").inc()
         events = prepend(first, events)
-        if prepared.stream:
+        count = self.api_metrics.requests.labels
+        if prepared.stream:  # counted when it ends: a failure after the 200 has a label of its own
             return StreamingResponse(sse_stream(meta, prepared, events, self.tokenizer, self.config.stream_interval_s,
-                                                self.api_metrics.count_write),
+                                                self.api_metrics.count_write, lambda s: count(endpoint, s).inc()),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             choices = [oa.Choice(i, prepared.echo_of(i), prompt_token_ids=prepared.echo_ids_of(i))
                        for i in range(prepared.num_choices)]
             async for index, event in events:
                 choices[index].add(event)
-            return JSONResponse(oa.response_body(meta, choices, prepared.num_prompt_tokens, self.tokenizer,
-                                                 prepared.want_logprobs, prepared.n))
+            body = oa.response_body(meta, choices, prepared.num_prompt_tokens, self.tokenizer,
+                                    prepared.want_logprobs, prepared.n)
+            count(endpoint, "200").inc()
+            return JSONResponse(body)
         except Exception as exc:
             err = upstream_error(exc, self.config.retry_after_s)
+            count(endpoint, str(err.status)).inc()
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
         finally:
             await events.aclose()

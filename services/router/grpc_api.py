@@ -129,8 +129,8 @@ class GrpcServiceMixin:
             prepared, meta, events = self._start(body, chat, request_id_of(grpc_context), parent)
         except APIError as err:
             raise self._grpc_reject(err, "grpc_generate", grpc_context) from None
-        self.api_metrics.requests.labels("grpc_generate", "200").inc()
         num_tokens = 0
+        status = "200"  # counted when the stream ends: a failure after the first message has a label of its own
         # one message per choice per batch: whatever arrived while the previous message was on its way
         source = batches(events, self.config.stream_interval_s) if self.config.stream_interval_s is not None else None
         try:
@@ -147,8 +147,10 @@ class GrpcServiceMixin:
                     total_tokens=prompt_tokens + num_tokens))
         except Exception as exc:  # cancellation is a BaseException: it only runs the finally
             err = upstream_error(exc, self.config.retry_after_s)
+            status = "error_after_first_token" if num_tokens else str(err.status)
             raise _abort(grpc_context, grpc_status(err.status), err.message) from None
         finally:
+            self.api_metrics.requests.labels("grpc_generate", status).inc()
             if source is not None:
                 await source.aclose()  # first: it reads `events` in a task of its own
             await events.aclose()

@@ -7,6 +7,7 @@ SSE chunk carrying `error`, followed by `[DONE]`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 
 from pdserve.contract import TokenBatch
@@ -17,22 +18,27 @@ from pdserve.services.router.admission import Prepared
 from pdserve.services.router.errors import APIError
 
 Event = tuple[int, TokenBatch]
+logger = logging.getLogger(__name__)
 
 
 def upstream_error(exc: BaseException, retry_after_s: int) -> APIError:
-    """An exception from a prefill or decode call, as the error the client sees."""
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+    """An exception from a prefill or decode call, as the error the client sees: a stable message, a
+    type and a code. What it says about the cluster (actor ids, pids, addresses, tracebacks) goes to
+    the log only. A worker that is gone or full is a 503 with Retry-After, never a 500."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
     if isinstance(exc, APIError):
         return exc
+    retry = {"Retry-After": str(max(1, retry_after_s))}
     if isinstance(exc, BackPressureError):
         return APIError(503, "worker queues are full; retry later", code="overloaded", reason="backpressure",
-                        headers={"Retry-After": str(retry_after_s)})
-    if isinstance(exc, DeploymentUnavailableError):
-        return APIError(503, f"no healthy worker: {exc}", code="unavailable", reason="unavailable",
-                        headers={"Retry-After": str(retry_after_s)})
-    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="internal_error",
-                    reason="internal_error")
+                        headers=retry)
+    logger.warning("upstream failure: %s: %s", type(exc).__name__, exc, exc_info=exc)
+    if isinstance(exc, (DeploymentUnavailableError, ReplicaUnavailableError, RayActorError)):
+        return APIError(503, "a worker became unavailable; retry later", code="unavailable",
+                        reason="unavailable", headers=retry)
+    return APIError(500, "generation failed", code="internal_error", reason="internal_error")
 
 
 async def first_event(events: AsyncIterator[Event], retry_after_s: int) -> Event | None:
@@ -73,9 +79,12 @@ async def prepend(first: Event | None, events: AsyncIterator[Event]) -> AsyncIte
 async def sse_stream(
     meta: oa.ResponseMeta, p: Prepared, events: AsyncIterator[Event], tokenizer: Tokenizer,
     interval_s: float | None = 0.0, on_write: Callable[[int], None] | None = None,
+    on_end: Callable[[str], None] | None = None,
 ) -> AsyncIterator[bytes]:
     """`interval_s`: None writes each event on its own; 0 coalesces (a write per batch of what arrived
-    meanwhile, the first at once); > 0 also caps writes at one per interval. `on_write(num_events)` counts.
+    meanwhile, the first at once); > 0 also caps writes at one per interval. `on_write(num_events)` counts;
+    `on_end(status)` is told how the stream ended: "200", or "error_after_first_token" when a failure
+    after the 200 went out ended it.
     Echoed prompt text (with logprobs, the prompt tokens' logprobs too) leads each choice's first chunk;
     with continuous usage every chunk carries the usage so far, and with include_usage a last chunk carries
     the total."""
@@ -108,6 +117,7 @@ async def sse_stream(
 
     # one write per batch: whatever events arrived while the previous write was on its way
     source = batches(events, interval_s) if interval_s is not None else singles(events)
+    status = "200"
     try:
         async for batch in source:
             if on_write is not None:
@@ -116,8 +126,11 @@ async def sse_stream(
         if p.include_usage:
             yield oa.chunk(meta, [], True, oa.usage(p.num_prompt_tokens, num_tokens, oa.cached_tokens(cached, p.n)))
     except Exception as exc:  # the 200 went out already: the error travels in the stream
+        status = "error_after_first_token"
         yield oa.sse(upstream_error(exc, 0).body())
     finally:
         await source.aclose()  # first: a coalescing source reads `events` in a task of its own
         await events.aclose()
+        if on_end is not None:
+            on_end(status)
     yield oa.DONE

@@ -6,6 +6,9 @@ import asyncio
 import json
 
 import pytest
+from ray.exceptions import RayActorError
+from ray.serve._private.common import DeploymentID
+from ray.serve.exceptions import DeploymentUnavailableError
 from pdserve.sampling_params import SamplingParams
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
@@ -60,13 +63,19 @@ def _sse_events(writes: list[bytes]) -> list[bytes]:
 def test_error_after_first_token_is_an_sse_chunk_then_done():
     events = Events([_event("a"), _event("b")], fail=RuntimeError("decode replica died"))
     meta = oa.ResponseMeta("cmpl-1", "tiny", False)
-    parts = _sse_events(asyncio.run(_collect(sse_stream(meta, _prepared(), events, ByteTokenizer()))))
+    ended: list[str] = []
+    stream = sse_stream(meta, _prepared(), events, ByteTokenizer(), on_end=ended.append)
+    parts = _sse_events(asyncio.run(_collect(stream)))
     assert parts[-1] == oa.DONE and events.closed
+    assert ended == ["error_after_first_token"]  # counted apart from the streams that ended well
+    ended.clear()
+    asyncio.run(_collect(sse_stream(meta, _prepared(), Events([_event("a", True)]), ByteTokenizer(), on_end=ended.append)))
+    assert ended == ["200"]
     bodies = [json.loads(p[6:]) for p in parts[:-1]]
     assert [b["choices"][0]["text"] for b in bodies[:2]] == ["a", "b"]
     error = bodies[2]["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert "decode replica died" in error["message"] and error["type"] == "internal_error"
+    assert error["message"] == "generation failed" and error["type"] == "internal_error"  # the cause: in the log
 
 
 def test_usage_chunk_counts_tokens():
@@ -90,6 +99,25 @@ def test_other_failures_map_to_500_and_api_errors_pass_through():
     assert upstream_error(ValueError("boom"), 1).status == 500
     given = APIError(429, "slow down")
     assert upstream_error(given, 1) is given
+
+
+INTERNALS = "ray::ServeReplica:pdserve:decode (pid=4242, ip=10.1.2.3, actor_id=88ca505fd7c7a67b7a63c6cf01000000)"
+
+
+@pytest.mark.parametrize("exc,status", [
+    (RuntimeError(INTERNALS), 500),
+    (RayActorError(error_msg=INTERNALS), 503),
+    (DeploymentUnavailableError(DeploymentID(name="decode", app_name="pdserve")), 503),
+])
+def test_upstream_failures_never_show_internals(exc, status):
+    """Actor ids, pids, addresses and tracebacks go to the log; the client gets a stable message and a
+    code, and a worker that is gone is a 503 with Retry-After, never a 500."""
+    err = upstream_error(exc, 0)
+    body = json.dumps(err.body())
+    assert err.status == status and err.body()["error"]["code"] in ("internal_error", "unavailable")
+    for leak in ("pid=", "4242", "10.1.2.3", "actor_id", "ServeReplica", "Traceback", "decode"):
+        assert leak not in body
+    assert (err.headers.get("Retry-After") == "1") == (status == 503)
 
 
 def test_prepend_replays_first_and_closes_source():
