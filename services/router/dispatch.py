@@ -9,12 +9,21 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import logging
+
 from opentelemetry import trace
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from pdserve import trace_attributes as ta
 from pdserve.contract import FallbackNotice, PrefillResult, TokenBatch, WorkerRequest
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
 from pdserve.services.router.placement import Placement
+
+
+logger = logging.getLogger(__name__)
+# a worker replica that died, or a deployment with none left: retried elsewhere when nothing was sent yet
+WORKER_GONE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
 
 
 class DispatchMixin:
@@ -110,8 +119,8 @@ class DispatchMixin:
         handoff = stream = None
         finished = imported = False
         try:
-            if placement.disaggregate:
-                first = await self._prefill(request.to(placement.prefill_replica))
+            first = await self._prefill(request.to(placement.prefill_replica)) if placement.disaggregate else None
+            if first is not None:
                 handoff = first.handoff
                 if first.first.finished or handoff is None:
                     finished = handoff is None
@@ -141,15 +150,22 @@ class DispatchMixin:
                     # decode never confirmed the pull: the prefill lease would otherwise wait for its TTL
                     self._spawn(self.prefill.abort.remote(handoff.lease_id))
 
-    async def _prefill(self, request: WorkerRequest) -> PrefillResult:
+    async def _prefill(self, request: WorkerRequest) -> PrefillResult | None:
         """The prefill call, shielded: a caller cancelled while it runs (a client gone while other choices
-        already stream) lets it finish and frees its lease, which nobody would pull."""
+        already stream) lets it finish and frees its lease, which nobody would pull. None when the prefill
+        replica is gone (killed, crashed, none left): the decode replica then prefills locally, counted
+        as a `prefill_unavailable` fallback, since nothing was sent to the client yet."""
         call = asyncio.ensure_future(self._await(self.prefill.prefill.remote(request)))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
             call.add_done_callback(self._release_orphan)
             raise
+        except WORKER_GONE as exc:
+            logger.warning("prefill for %s failed, decode prefills locally: %s: %s", request.request_id,
+                           type(exc).__name__, exc)
+            self.metrics.count_fallback("prefill_unavailable")
+            return None
 
     @staticmethod
     async def _await(response) -> Any:
