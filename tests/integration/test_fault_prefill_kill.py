@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
@@ -37,20 +36,6 @@ def url(ray_serve):
     ray_serve.delete(APP)
 
 
-def replica_pids(deployment: str) -> list[int]:
-    """Live processes whose title Ray set to this app's replica of `deployment`."""
-    title = f"ray::ServeReplica:{APP}:{deployment}".encode()
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if (proc / "cmdline").read_bytes().startswith(title):
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-    return pids
-
-
 async def _one(client: httpx.AsyncClient, url: str, i: int, first: asyncio.Event) -> tuple[int, dict, list[dict]]:
     body = {"model": "tiny", "prompt": f"{i} {PROMPT}", "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True}
@@ -74,8 +59,8 @@ def _fallbacks(url: str) -> float:
     return total
 
 
-def test_a_prefill_replica_killed_with_requests_in_flight_gives_no_500(url):
-    (pid,) = replica_pids("prefill")
+def test_a_prefill_replica_killed_with_requests_in_flight_gives_no_500(url, replica_pids):
+    (pid,) = replica_pids(APP, "prefill")
     before = _fallbacks(url)
 
     async def main():
@@ -99,7 +84,7 @@ def test_a_prefill_replica_killed_with_requests_in_flight_gives_no_500(url):
         assert finish == ["length"] and text
     assert statuses.count(200) >= NUM_REQUESTS // 2
     deadline = time.monotonic() + 120
-    while not [p for p in replica_pids("prefill") if p != pid]:
+    while not [p for p in replica_pids(APP, "prefill") if p != pid]:
         assert time.monotonic() < deadline, "Serve did not restart the prefill replica"
         time.sleep(1)
     # the kill hit requests in prefill: prefilled by decode instead (counted), or a clean 503

@@ -30,7 +30,7 @@ from pdserve.kvcache.params import HandoffParams
 from pdserve.kvcache.pool import KVPoolIO
 from pdserve.kvcache.transports.base import KVTransferError, KVTransport, ReleaseFn
 from pdserve.kvcache.transports.ucx_env import UCXConfig, apply_ucx_env, create_listener, ucx_context, ucx_error
-from pdserve.kvcache.transports.ucx_io import EndpointPool, all_of, dest_runs, runs_of, segments_of, span
+from pdserve.kvcache.transports.ucx_io import EndpointPool, PostedOps, dest_runs, runs_of, segments_of, span
 
 __all__ = ["UCXConfig", "UCXTransport", "apply_ucx_env"]
 
@@ -88,6 +88,8 @@ class UCXTransport(KVTransport):
         self._server_eps: set[Any] = set()
         self._handlers: set[asyncio.Task] = set()
         self._peers: dict[tuple[str, int], EndpointPool] = {}
+        self._settling: set[asyncio.Future] = set()  # failed pulls waiting for their UCX operations to end
+        self._stranded: list[asyncio.Future] = []  # operations UCX never ended: their buffers stay alive
         self._closed = False
 
     @property
@@ -153,27 +155,37 @@ class UCXTransport(KVTransport):
             raise wire.WireError(f"bad KV pull request (magic {bytes(magic)!r}, version {version})")
         if not 0 < num_segments <= num_blocks <= wire.DEFAULT_MAX_BLOCKS:
             raise wire.WireError(f"bad KV pull request: {num_segments} segments for {num_blocks} blocks")
+        ops = PostedOps(ep)
+        try:
+            await self._serve_pull(ops, raw_lease.decode("ascii", "replace"), num_blocks, num_segments)
+        except BaseException:
+            await self._settle(ops)
+            raise
+
+    async def _serve_pull(
+        self, ops: PostedOps, lease_id: str, num_blocks: int, num_segments: int
+    ) -> None:
+        ep = ops.ep
         raw_lengths = bytearray(4 * num_segments)
-        await self._step(ep.recv(raw_lengths), "receive the pull segments", "importer")
+        await self._step(ops.wait(ops.post(ep.recv(raw_lengths))), "receive the pull segments", "importer")
         lengths = list(struct.unpack(f"<{num_segments}I", raw_lengths))
-        lease_id = raw_lease.decode("ascii", "replace")
         export = self._exports.pop(lease_id, None)
         if export is None:
-            return await self._refuse(ep, _UNKNOWN_LEASE, f"unknown, expired or busy lease {lease_id}")
+            return await self._refuse(ops, _UNKNOWN_LEASE, f"unknown, expired or busy lease {lease_id}")
         runs = runs_of(export.block_ids, lengths)
         if runs is None or len(export.block_ids) != num_blocks:
             self._exports[lease_id] = export
-            return await self._refuse(ep, _BAD_REQUEST, f"lease {lease_id} has {len(export.block_ids)} blocks; "
+            return await self._refuse(ops, _BAD_REQUEST, f"lease {lease_id} has {len(export.block_ids)} blocks; "
                                       f"request for {num_blocks} in segments {lengths}")
         self._serving[lease_id] = export
         is_acked = False
         try:
             head = _STATUS.pack(b"PDKS", _VERSION, _OK, len(export.header) - _WIRE_PREFIX)
-            sends = [ep.send(head + export.header[:_WIRE_PREFIX]), ep.send(export.header[_WIRE_PREFIX:])]
-            sends += [ep.send(span(self.pool, first, count)) for first, count in self._pieces(runs)]
-            await self._step(all_of(sends), "send KV blocks", "importer")
+            sends = [ops.post(ep.send(head + export.header[:_WIRE_PREFIX])), ops.post(ep.send(export.header[_WIRE_PREFIX:]))]
+            sends += [ops.post(ep.send(span(self.pool, first, count))) for first, count in self._pieces(runs)]
+            await self._step(ops.wait(*sends), "send KV blocks", "importer")
             ack = bytearray(1)
-            await self._step(ep.recv(ack), "wait for the ack", "importer")
+            await self._step(ops.wait(ops.post(ep.recv(ack))), "wait for the ack", "importer")
             is_acked = ack == _ACK
         finally:
             if self._serving.pop(lease_id, None) is not None:  # not forgotten meanwhile
@@ -185,11 +197,11 @@ class UCXTransport(KVTransport):
                     except Exception:
                         logger.exception("release of lease %s failed", lease_id)
 
-    async def _refuse(self, ep: Any, status: int, reason: str) -> None:
+    async def _refuse(self, ops: PostedOps, status: int, reason: str) -> None:
         detail = reason.encode()[:_MAX_DETAIL]
-        await self._step(ep.send(_STATUS.pack(b"PDKS", _VERSION, status, len(detail)) + bytes(_WIRE_PREFIX)),
-                         "send the status", "importer")
-        await self._step(ep.send(detail), "send the refusal", "importer")
+        status_message = _STATUS.pack(b"PDKS", _VERSION, status, len(detail)) + bytes(_WIRE_PREFIX)
+        await self._step(ops.wait(ops.post(ops.ep.send(status_message))), "send the status", "importer")
+        await self._step(ops.wait(ops.post(ops.ep.send(detail))), "send the refusal", "importer")
 
     # ---- importing side ----
 
@@ -227,9 +239,17 @@ class UCXTransport(KVTransport):
             ep = endpoints.take_idle()
             if ep is None:
                 ucxx = ucx_context.acquire(self)
-                connect = ucxx.create_endpoint(address, port, connect_timeout=self.timeout_s,
-                                               endpoint_error_handling=self.config.endpoint_error_handling)
-                ep = await self._step(connect, "connect", peer)
+                # never cancelled half-way (a cancelled connect leaves UCX calling back into freed objects):
+                # a caller that goes meanwhile leaves it to finish, and the endpoint is then aborted
+                connect = asyncio.ensure_future(ucxx.create_endpoint(
+                    address, port, connect_timeout=self.timeout_s,
+                    endpoint_error_handling=self.config.endpoint_error_handling))
+                try:
+                    ep = await self._step(asyncio.shield(connect), "connect", peer)
+                except BaseException:
+                    self._settling.add(connect)
+                    connect.add_done_callback(self._abandoned_connect)
+                    raise
                 endpoints.num_created += 1
             endpoints.busy.add(ep)
             return ep
@@ -240,12 +260,47 @@ class UCXTransport(KVTransport):
     async def _exchange(
         self, ep: Any, params: HandoffParams, dest_block_ids: list[int], segments: list[tuple[int, int]], peer: str
     ) -> bool:
-        """One pull on `ep`; True if the connection is left clean for reuse."""
+        """One pull on `ep`; True if the connection is left clean for reuse. On any failure or
+        cancellation, every operation posted on `ep` has ended before this raises (`PostedOps`)."""
+        ops = PostedOps(ep)
+        try:
+            return await self._exchange_on(ops, params, dest_block_ids, segments, peer)
+        except BaseException:
+            await self._settle(ops)
+            raise
+
+    async def _settle(self, ops: PostedOps) -> None:
+        """After a failure or cancellation: wait until every operation posted on the endpoint has ended."""
+        settle = asyncio.ensure_future(ops.settle(self.timeout_s))
+        self._settling.add(settle)  # a second cancellation must not drop the buffers it holds
+        settle.add_done_callback(self._settled)
+        try:
+            await asyncio.shield(settle)
+        except asyncio.CancelledError:
+            pass  # the caller re-raises its own failure
+
+    def _abandoned_connect(self, connect: asyncio.Future) -> None:
+        self._settling.discard(connect)
+        if not connect.cancelled() and connect.exception() is None:
+            connect.result().abort()
+
+    def _settled(self, settle: asyncio.Future) -> None:
+        self._settling.discard(settle)
+        stranded = [] if settle.cancelled() or settle.exception() else settle.result()
+        if stranded:  # UCX never ended them: keep their buffers for the life of the transport
+            self._stranded.extend(stranded)
+            logger.error("%d UCX operations did not end after their endpoint was aborted", len(stranded))
+
+    async def _exchange_on(
+        self, ops: PostedOps, params: HandoffParams, dest_block_ids: list[int], segments: list[tuple[int, int]],
+        peer: str,
+    ) -> bool:
+        ep = ops.ep
         lease = params.lease_id
         request = _REQUEST.pack(b"PDKQ", _VERSION, 0, lease.encode("ascii"), len(dest_block_ids), len(segments))
         lengths = struct.pack(f"<{len(segments)}I", *(count for _, count in segments))
         status_buf = bytearray(_STATUS.size + _WIRE_PREFIX)
-        await self._step(all_of([ep.send(request), ep.send(lengths), ep.recv(status_buf)]),
+        await self._step(ops.wait(ops.post(ep.send(request)), ops.post(ep.send(lengths)), ops.post(ep.recv(status_buf))),
                          "send the pull request and receive the status", peer)
         magic, version, status, detail_nbytes = _STATUS.unpack_from(status_buf)
         if magic != b"PDKS" or version != _VERSION:
@@ -255,7 +310,7 @@ class UCXTransport(KVTransport):
                 raise KVTransferError(f"{peer} sent an oversized refusal ({detail_nbytes} bytes)")
             detail = bytearray(detail_nbytes)
             if detail_nbytes:
-                await self._step(ep.recv(detail), "receive the refusal", peer)
+                await self._step(ops.wait(ops.post(ep.recv(detail))), "receive the refusal", peer)
             raise _Refused(f"KV exporter {peer} refused lease {lease} (status {status}): {detail.decode(errors='replace')}")
         prefix = bytes(status_buf[_STATUS.size:])
         num_blocks = wire.peek_num_blocks(prefix)
@@ -263,23 +318,19 @@ class UCXTransport(KVTransport):
             raise wire.WireError(f"KV header announces {num_blocks} blocks, the handoff has {len(dest_block_ids)}")
         rest = bytearray(detail_nbytes)
         pieces = self._pieces(dest_runs(dest_block_ids, segments))
-        receives = [asyncio.ensure_future(ep.recv(rest))]  # posted at once: the exporter sends them back to back
-        receives += [asyncio.ensure_future(ep.recv(span(self.pool, first, count))) for first, count in pieces]
-        try:
-            await self._step(receives[0], "receive the KV header", peer)
-            header = wire.decode_header(prefix + rest, self.layout.layout_hash, self.pool.block_nbytes,
-                                        max_blocks=len(dest_block_ids))
-            if header.block_hashes[: len(params.block_hashes)] != params.block_hashes:
-                raise wire.WireError(f"KV blocks from {peer} are not the ones the handoff of lease {lease} names")
-            verified = 0
-            for received, (first, count) in zip(receives[1:], pieces):
-                await self._step(received, "receive KV blocks", peer)
-                wire.verify_block_run(header, verified, self.pool.read_blocks(range(first, first + count)))
-                verified += count
-            self.bytes_pulled += header.nbytes + header.payload_nbytes
-        finally:
-            for received in receives:  # after a failure: the caller aborts the endpoint, which ends them
-                received.cancel()
+        # posted at once: the exporter sends them back to back
+        receives = [ops.post(ep.recv(rest))] + [ops.post(ep.recv(span(self.pool, first, count))) for first, count in pieces]
+        await self._step(ops.wait(receives[0]), "receive the KV header", peer)
+        header = wire.decode_header(prefix + rest, self.layout.layout_hash, self.pool.block_nbytes,
+                                    max_blocks=len(dest_block_ids))
+        if header.block_hashes[: len(params.block_hashes)] != params.block_hashes:
+            raise wire.WireError(f"KV blocks from {peer} are not the ones the handoff of lease {lease} names")
+        verified = 0
+        for received, (first, count) in zip(receives[1:], pieces):
+            await self._step(ops.wait(received), "receive KV blocks", peer)
+            wire.verify_block_run(header, verified, self.pool.read_blocks(range(first, first + count)))
+            verified += count
+        self.bytes_pulled += header.nbytes + header.payload_nbytes
         try:
             await self._step(ep.send(_ACK), "send the ack", peer)
         except KVTransferError as e:  # the blocks are verified: keep them; the exporter's lease expires instead

@@ -1,4 +1,4 @@
-"""The UCX transport's plumbing: bounded endpoint pools, grouped UCX operations, and the block runs
+"""The UCX transport's plumbing: bounded endpoint pools, posted UCX operations, and the block runs
 that travel as single messages (a run is consecutive in both the exporter's and the importer's pool)."""
 
 from __future__ import annotations
@@ -43,15 +43,49 @@ class EndpointPool:
         self.idle.clear()
 
 
-async def all_of(operations: list[Awaitable[Any]]) -> list[Any]:
-    """Runs UCX operations together; if one fails or the wait is cancelled, the others are cancelled too."""
-    tasks = [asyncio.ensure_future(op) for op in operations]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise
+class PostedOps:
+    """UCX operations posted on one endpoint, each holding the buffer it reads or writes.
+
+    UCX writes into a receive buffer until the operation ends, and cancelling the asyncio side does
+    not end it (a Python buffer freed meanwhile is heap corruption: a client leaving mid-pull used to
+    segfault the decode replica). So waits here never cancel an operation: `wait` shields them, and
+    after a failure or cancellation `settle` aborts the endpoint (which ends every posted operation
+    with an error) and waits until each has ended, holding its buffer until then.
+    """
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self.ops: list[asyncio.Future] = []
+
+    def post(self, operation: Awaitable[Any]) -> asyncio.Future:
+        future = asyncio.ensure_future(operation)
+        self.ops.append(future)
+        return future
+
+    @staticmethod
+    def wait(*futures: asyncio.Future) -> Awaitable[list[Any]]:
+        """All of `futures`; cancelling (or timing out) this wait leaves the operations running."""
+        together = asyncio.gather(*futures)
+        together.add_done_callback(_retrieve)
+        return asyncio.shield(together)
+
+    async def settle(self, timeout_s: float) -> list[asyncio.Future]:
+        """Aborts the endpoint if an operation is still posted and waits for all of them; returns those
+        still posted after `timeout_s` (their buffers must then be kept for good)."""
+        pending = [op for op in self.ops if not op.done()]
+        still: set[asyncio.Future] = set()
+        if pending:
+            self.ep.abort()
+            _, still = await asyncio.wait(pending, timeout=timeout_s)
+        for op in self.ops:
+            if op.done():
+                _retrieve(op)
+        return list(still)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # an expected failure once the endpoint is aborted: retrieved, not logged
 
 
 def span(pool: KVPoolIO, first: int, count: int) -> Any:
