@@ -24,7 +24,6 @@ import urllib.request
 from typing import Literal
 
 IngressMode = Literal["direct", "proxy"]
-INGRESS_MODES: tuple[str, ...] = ("direct", "proxy")
 
 # Ray starts workers at nice 15, below everything else on the host; here the replicas are the workload
 BASE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_worker_niceness": "0"}

@@ -15,7 +15,7 @@ from ray.serve import Application
 from pdserve.contract import DecodeEvent, FallbackNotice, HandoffParams, TokenBatch, WorkerRequest
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.coalesce import merge_deltas
-from pdserve.engine.outputs import GenerationRequest, TokenDelta
+from pdserve.engine.outputs import GenerationRequest
 from pdserve import trace_attributes as ta
 from pdserve.kvcache.handoff import KVImporter, engine_layout
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
@@ -58,22 +58,20 @@ class DecodeDeployment(WorkerEndpoints):
                     yield fallback
             else:
                 metrics.add_prompt_tokens(len(prompt))
-            if self.config.stream_coalesce:  # everything produced since the router took the last batch
-                stream = self.engine.generate_batches(gen, self.config.stream_interval_ms / 1e3)
-            else:
-                stream = _singles(self.engine.generate(gen))
+            coalesce = self.config.stream_coalesce  # off: one message per engine delta
+            stream = self.engine.generate_batches(gen, self.config.stream_interval_ms / 1e3 if coalesce else 0.0)
             async with aclosing(stream) as batches:  # closed at once when the caller goes: the engine aborts
                 async for batch in batches:
-                    delta = batch[0] if len(batch) == 1 else merge_deltas(batch)
-                    if num_tokens == 0:
-                        queue = delta.queue_time_s or 0.0
-                        metrics.observe_queue(queue)
-                        metrics.add_prefix_cache_hit_tokens(delta.num_cached_tokens)
-                        span.set_attributes({ta.QUEUE_SECONDS: queue, ta.PREFILL_CHUNKS: delta.num_prefill_chunks,
-                                             "pdserve.decode.first_step_seconds": time.monotonic() - start})
-                    num_tokens += len(delta.token_ids)
-                    spec_counts = (delta.num_draft_tokens, delta.num_accepted_tokens, delta.num_verifications)
-                    yield TokenBatch.of(delta)
+                    for delta in ([merge_deltas(batch)] if coalesce and len(batch) > 1 else batch):
+                        if num_tokens == 0:
+                            queue = delta.queue_time_s or 0.0
+                            metrics.observe_queue(queue)
+                            metrics.add_prefix_cache_hit_tokens(delta.num_cached_tokens)
+                            span.set_attributes({ta.QUEUE_SECONDS: queue, ta.PREFILL_CHUNKS: delta.num_prefill_chunks,
+                                                 "pdserve.decode.first_step_seconds": time.monotonic() - start})
+                        num_tokens += len(delta.token_ids)
+                        spec_counts = (delta.num_draft_tokens, delta.num_accepted_tokens, delta.num_verifications)
+                        yield TokenBatch.of(delta)
         finally:
             metrics.observe_decode(time.monotonic() - start)
             metrics.add_generation_tokens(num_tokens)
@@ -111,12 +109,6 @@ class DecodeDeployment(WorkerEndpoints):
 
     def fallbacks(self) -> dict[str, int]:
         return dict(self.importer.fallbacks)
-
-
-async def _singles(deltas: AsyncIterator[TokenDelta]) -> AsyncIterator[list[TokenDelta]]:
-    async with aclosing(deltas) as stream:
-        async for delta in stream:
-            yield [delta]
 
 
 def build_app(config: WorkerConfig | dict[str, Any]) -> Application:

@@ -30,7 +30,7 @@ from pdserve.kvcache.params import HandoffParams
 from pdserve.kvcache.pool import KVPoolIO
 from pdserve.kvcache.transports.base import KVTransferError, KVTransport, ReleaseFn
 from pdserve.kvcache.transports.ucx_env import UCXConfig, apply_ucx_env, create_listener, ucx_context, ucx_error
-from pdserve.kvcache.transports.ucx_io import EndpointPool, PostedOps, dest_runs, runs_of, segments_of, span
+from pdserve.kvcache.transports.ucx_io import EndpointPool, OperationKeeper, PostedOps, dest_runs, runs_of, segments_of, span
 
 __all__ = ["UCXConfig", "UCXTransport", "apply_ucx_env"]
 
@@ -88,8 +88,7 @@ class UCXTransport(KVTransport):
         self._server_eps: set[Any] = set()
         self._handlers: set[asyncio.Task] = set()
         self._peers: dict[tuple[str, int], EndpointPool] = {}
-        self._settling: set[asyncio.Future] = set()  # failed pulls waiting for their UCX operations to end
-        self._stranded: list[asyncio.Future] = []  # operations UCX never ended: their buffers stay alive
+        self._keeper = OperationKeeper(timeout_s)  # failed and abandoned UCX work, until UCX lets go of it
         self._closed = False
 
     @property
@@ -159,7 +158,7 @@ class UCXTransport(KVTransport):
         try:
             await self._serve_pull(ops, raw_lease.decode("ascii", "replace"), num_blocks, num_segments)
         except BaseException:
-            await self._settle(ops)
+            await self._keeper.settle(ops)
             raise
 
     async def _serve_pull(
@@ -247,8 +246,7 @@ class UCXTransport(KVTransport):
                 try:
                     ep = await self._step(asyncio.shield(connect), "connect", peer)
                 except BaseException:
-                    self._settling.add(connect)
-                    connect.add_done_callback(self._abandoned_connect)
+                    self._keeper.abandon_connect(connect)
                     raise
                 endpoints.num_created += 1
             endpoints.busy.add(ep)
@@ -266,30 +264,8 @@ class UCXTransport(KVTransport):
         try:
             return await self._exchange_on(ops, params, dest_block_ids, segments, peer)
         except BaseException:
-            await self._settle(ops)
+            await self._keeper.settle(ops)
             raise
-
-    async def _settle(self, ops: PostedOps) -> None:
-        """After a failure or cancellation: wait until every operation posted on the endpoint has ended."""
-        settle = asyncio.ensure_future(ops.settle(self.timeout_s))
-        self._settling.add(settle)  # a second cancellation must not drop the buffers it holds
-        settle.add_done_callback(self._settled)
-        try:
-            await asyncio.shield(settle)
-        except asyncio.CancelledError:
-            pass  # the caller re-raises its own failure
-
-    def _abandoned_connect(self, connect: asyncio.Future) -> None:
-        self._settling.discard(connect)
-        if not connect.cancelled() and connect.exception() is None:
-            connect.result().abort()
-
-    def _settled(self, settle: asyncio.Future) -> None:
-        self._settling.discard(settle)
-        stranded = [] if settle.cancelled() or settle.exception() else settle.result()
-        if stranded:  # UCX never ended them: keep their buffers for the life of the transport
-            self._stranded.extend(stranded)
-            logger.error("%d UCX operations did not end after their endpoint was aborted", len(stranded))
 
     async def _exchange_on(
         self, ops: PostedOps, params: HandoffParams, dest_block_ids: list[int], segments: list[tuple[int, int]],

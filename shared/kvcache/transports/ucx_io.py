@@ -4,12 +4,15 @@ that travel as single messages (a run is consecutive in both the exporter's and 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable
 from typing import Any
 
 import torch
 
 from pdserve.kvcache.pool import KVPoolIO
+
+logger = logging.getLogger(__name__)
 
 
 class EndpointPool:
@@ -81,6 +84,43 @@ class PostedOps:
             if op.done():
                 _retrieve(op)
         return list(still)
+
+
+class OperationKeeper:
+    """Holds failed and abandoned UCX work until UCX lets go of it: settles in flight (a second
+    cancellation of their caller must not drop the buffers they hold), operations UCX never ended (their
+    buffers stay alive for good), and connects whose caller left (aborted once they land)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._pending: set[asyncio.Future] = set()
+        self._stranded: list[asyncio.Future] = []
+
+    async def settle(self, ops: PostedOps) -> None:
+        """After a failure or cancellation: wait until every operation posted on the endpoint has ended."""
+        settle = asyncio.ensure_future(ops.settle(self.timeout_s))
+        self._pending.add(settle)
+        settle.add_done_callback(self._settled)
+        try:
+            await asyncio.shield(settle)
+        except asyncio.CancelledError:
+            pass  # the caller re-raises its own failure
+
+    def abandon_connect(self, connect: asyncio.Future) -> None:
+        self._pending.add(connect)
+        connect.add_done_callback(self._connected)
+
+    def _connected(self, connect: asyncio.Future) -> None:
+        self._pending.discard(connect)
+        if not connect.cancelled() and connect.exception() is None:
+            connect.result().abort()
+
+    def _settled(self, settle: asyncio.Future) -> None:
+        self._pending.discard(settle)
+        stranded = [] if settle.cancelled() or settle.exception() else settle.result()
+        if stranded:
+            self._stranded.extend(stranded)
+            logger.error("%d UCX operations did not end after their endpoint was aborted", len(stranded))
 
 
 def _retrieve(future: asyncio.Future) -> None:
