@@ -7,9 +7,20 @@ these before anything reaches an engine, so bad input never allocates KV.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from pdserve.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams
@@ -18,6 +29,28 @@ MAX_N = 16
 MAX_STOP = 8
 MAX_PROMPTS = 64  # prompts in one completions request (the router also bounds prompts x n)
 MAX_LOGIT_BIAS = 300  # entries in logit_bias
+MAX_INT32 = 2**31 - 1  # token ids and top_k: what the gRPC API's fields hold, and well within the worker codec's range
+# numbers and flags are strict, as the OpenAPI document types them: true is not 1, 1 is not true, "1" is neither
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_INT32)]
+
+
+def has_lone_surrogates(value: Any) -> bool:
+    """Whether any string in a parsed JSON value (keys included) holds a lone UTF-16 surrogate: JSON's
+    \\ud800-\\udfff escapes parse into such strings, which no tokenizer or UTF-8 response can carry."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def unsupported(what: str, detail: str = "") -> PydanticCustomError:
@@ -29,16 +62,16 @@ def unsupported(what: str, detail: str = "") -> PydanticCustomError:
 class StreamOptions(BaseModel):
     # other keys (include_obfuscation, ...) are accepted and ignored, as OpenAI-compatible servers do
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # usage on every chunk (vLLM extension; guidellm sends it)
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # usage on every chunk (vLLM extension; guidellm sends it)
 
 
 class SLOOverride(BaseModel):
     """pdserve extension: this request's own SLOs (over the router's defaults)."""
 
     model_config = ConfigDict(extra="forbid")
-    ttft_ms: float | None = Field(None, gt=0, le=3_600_000)
-    tpot_ms: float | None = Field(None, gt=0, le=60_000)
+    ttft_ms: StrictFloat | None = Field(None, gt=0, le=3_600_000)
+    tpot_ms: StrictFloat | None = Field(None, gt=0, le=60_000)
 
 
 class _SamplingFields(BaseModel):
@@ -46,45 +79,46 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, min_length=1, max_length=256)  # None: the served model (as vLLM does)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = Field(None, max_length=256)
     # vLLM-style extensions
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    top_k: StrictInt = Field(0, ge=-1, le=MAX_INT32)  # over the vocabulary: all of it
+    min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0, le=10.0)
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     # token id (a decimal string, as OpenAI's JSON keys are) -> bias added to its logit
-    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[str, StrictFloat] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # pdserve extensions: per-request SLOs and priority class (also as X-SLO-TTFT-Ms, X-SLO-TPOT-Ms,
     # X-Priority headers)
     slo: SLOOverride | None = None
     priority: Literal["interactive", "batch"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data):
+        if has_lone_surrogates(data):
+            raise PydanticCustomError("text", "the body's strings must be Unicode text: a \\ud800-\\udfff escape "
+                                      "must be half of a surrogate pair")
+        return data
 
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value):
         stops = [value] if isinstance(value, str) else (value or [])
         if len(stops) > MAX_STOP or any(not s or len(s) > 256 for s in stops):
-            raise ValueError(f"stop: at most {MAX_STOP} non-empty strings of at most 256 characters")
-        return value
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _check_stop_ids(cls, value):
-        if value and any(t < 0 for t in value):
-            raise ValueError("stop_token_ids must be non-negative")
+            raise ValueError(f"at most {MAX_STOP} non-empty strings of at most 256 characters")
         return value
 
     @field_validator("logit_bias")
@@ -130,23 +164,25 @@ class _SamplingFields(BaseModel):
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
 
-Prompt = str | list[int] | list[str] | list[list[int]]
+Prompt = str | list[TokenId] | list[str] | list[list[TokenId]]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt = Field(..., description="a string, token ids, or a batch of either (choice index = "
                            "prompt index * n + j)")
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: StrictInt | None = Field(None, ge=1)
 
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _check_prompt(cls, value, handler):
         try:
             value = handler(value)
-        except ValueError:
+        except ValidationError as exc:
+            if any(e["type"] == "greater_than_equal" for e in exc.errors()):
+                raise PydanticCustomError("prompt", "prompt token ids must be non-negative") from None
             raise PydanticCustomError(
                 "prompt", "prompt must be a string, a list of token ids, a list of strings or a list of "
                 "token-id lists") from None
@@ -156,8 +192,6 @@ class CompletionRequest(_SamplingFields):
         if len(prompts) > MAX_PROMPTS:
             raise PydanticCustomError("prompt", "at most {max} prompts per request, got {num}",
                                       {"max": MAX_PROMPTS, "num": len(prompts)})
-        if any(isinstance(p, list) and any(t < 0 for t in p) for p in prompts):
-            raise PydanticCustomError("prompt", "prompt token ids must be non-negative")
         return value
 
     @field_validator("suffix")
@@ -223,8 +257,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     # accepted so that clients sending their defaults work; anything that asks for them is refused
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -34,9 +34,11 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
-    first = exc.errors()[0]
+    first = exc.errors(include_url=False, include_input=False)[0]
     param = ".".join(str(p) for p in first.get("loc", ())) or None
     message = first.get("msg", "invalid request")
+    if first.get("type") == "value_error":  # a validator's own message, without pydantic's "Value error, "
+        message = str(first.get("ctx", {}).get("error") or message)
     if first.get("type") == "unsupported":  # the message names the field already
         return APIError(400, message, param=param, code="unsupported_parameter", reason="unsupported_parameter")
     if param:

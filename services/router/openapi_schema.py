@@ -24,22 +24,41 @@ ERROR_SCHEMA = {
 }
 
 
+# what the GET endpoints answer besides their 200 JSON (FastAPI cannot see it: they build their responses)
+GET_RESPONSES: dict[str, dict[str, str]] = {
+    "/health": {"503": "a role has no live replica; retry later"},
+    "/v1/models": {"401": "missing or wrong API key"},
+}
+TEXT = {"schema": {"type": "string"}}
+
+
 def openapi_document(app: FastAPI) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
                       description="OpenAI-compatible completions and chat completions (pdserve router)")
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas["ErrorResponse"] = ERROR_SCHEMA
     error = {"content": {"application/json": {"schema": {"$ref": REF.format(model="ErrorResponse")}}}}
+    paths = doc.get("paths", {})
+    for path, statuses in GET_RESPONSES.items():
+        if (operation := paths.get(path, {}).get("get")) is not None:
+            operation.setdefault("responses", {}).update(
+                {status: {"description": text, **error} for status, text in statuses.items()})
+    if (operation := paths.get("/metrics", {}).get("get")) is not None:
+        operation["responses"] = {"200": {"description": "Prometheus text exposition",
+                                          "content": {"text/plain": TEXT}}}
     for path, model in REQUEST_MODELS.items():
         schema = model.model_json_schema(ref_template=REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
-        operation = doc.get("paths", {}).get(path, {}).get("post")
+        operation = paths.get(path, {}).get("post")
         if operation is None:
             continue
         operation["requestBody"] = {"required": True, "content": {
             "application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}
-        operation.setdefault("responses", {}).update({
+        operation.setdefault("responses", {}).update({"200": {
+            "description": "the response object; with stream: true, server-sent chunks ending with data: [DONE]",
+            "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": TEXT}}})
+        operation["responses"].update({
             str(status): {"description": text, **error}
             for status, text in ((400, "invalid request"), (401, "missing or wrong API key"),
                                  (404, "unknown model"), (413, "body too large"), (429, "too many requests"),
