@@ -47,7 +47,9 @@ def request_body(request: pb.GenerateRequest) -> tuple[dict[str, Any], bool]:
     if kind is None:
         raise bad_request("one of text, token_ids or messages is required", param="prompt")
     chat = kind == "messages"
-    body: dict[str, Any] = {"model": request.model, "stream": True}
+    body: dict[str, Any] = {"stream": True}
+    if request.model:  # proto3 cannot tell "" from unset: either means the served model, as HTTP's absent one
+        body["model"] = request.model
     if kind == "text":
         body["prompt"] = request.text
     elif kind == "token_ids":
@@ -118,6 +120,9 @@ class GrpcServiceMixin:
     async def Generate(
         self, request: pb.GenerateRequest, grpc_context=None
     ) -> AsyncIterator[pb.GenerateResponse]:
+        request_id = request_id_of(grpc_context)
+        if grpc_context is not None:  # Serve sends it with the responses (an error status carries it in its details)
+            grpc_context.set_trailing_metadata([(REQUEST_ID_KEY, request_id)])
         try:
             check_authorization(_metadata(grpc_context, "authorization"), self.api_keys)
             if request.ByteSize() > self.config.max_body_bytes:
@@ -126,9 +131,9 @@ class GrpcServiceMixin:
             body, chat = request_body(request)
             parent = self.telemetry.tracing.context_from_headers(
                 grpc_context.invocation_metadata() if grpc_context is not None else None)
-            prepared, meta, events = self._start(body, chat, request_id_of(grpc_context), parent)
+            prepared, meta, events = self._start(body, chat, request_id, parent)
         except APIError as err:
-            raise self._grpc_reject(err, "grpc_generate", grpc_context) from None
+            raise self._grpc_reject(err, "grpc_generate", grpc_context, request_id) from None
         num_tokens = 0
         status = "200"  # counted when the stream ends: a failure after the first message has a label of its own
         # one message per choice per batch: whatever arrived while the previous message was on its way
@@ -148,7 +153,7 @@ class GrpcServiceMixin:
         except Exception as exc:  # cancellation is a BaseException: it only runs the finally
             err = upstream_error(exc, self.config.retry_after_s)
             status = "error_after_first_token" if num_tokens else str(err.status)
-            raise _abort(grpc_context, grpc_status(err.status), err.message) from None
+            raise _abort(grpc_context, grpc_status(err.status), err.message, request_id) from None
         finally:
             self.api_metrics.requests.labels("grpc_generate", status).inc()
             if source is not None:
@@ -159,7 +164,7 @@ class GrpcServiceMixin:
         try:
             check_authorization(_metadata(grpc_context, "authorization"), self.api_keys)
         except APIError as err:
-            raise self._grpc_reject(err, "grpc_models", grpc_context) from None
+            raise self._grpc_reject(err, "grpc_models", grpc_context, request_id_of(grpc_context)) from None
         listing = oa.model_list(self.config.served_model_name, self.config.max_model_len, self.created)
         return pb.ModelsResponse(models=[
             pb.Model(id=m["id"], created=m["created"], owned_by=m["owned_by"],
@@ -167,15 +172,22 @@ class GrpcServiceMixin:
             for m in listing["data"]
         ])
 
-    def _grpc_reject(self, err: APIError, endpoint: str, grpc_context) -> Exception:
+    def _grpc_reject(self, err: APIError, endpoint: str, grpc_context, request_id: str) -> Exception:
         self._count_rejection(err, endpoint)
-        return _abort(grpc_context, grpc_status(err.status), err.message)
+        return _abort(grpc_context, grpc_status(err.status), err.message, request_id)
 
 
-def _abort(grpc_context, code: grpc.StatusCode, message: str) -> Exception:
+def error_details(message: str, request_id: str) -> str:
+    """An error status's details: the stable message, then the request id (Serve's proxy drops the trailing
+    metadata of an RPC that fails, so the details are the one place a client finds it)."""
+    return f"{message} (request id {request_id})"
+
+
+def _abort(grpc_context, code: grpc.StatusCode, message: str, request_id: str) -> Exception:
     """The exception that ends an RPC with `code`: Serve wraps it with the code set on the context.
     A builtin type, so the proxy can unpickle it without importing the router."""
+    details = error_details(message, request_id)
     if grpc_context is not None:
         grpc_context.set_code(code)
-        grpc_context.set_details(message)
-    return RuntimeError(message)
+        grpc_context.set_details(details)
+    return RuntimeError(details)

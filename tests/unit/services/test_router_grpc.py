@@ -34,6 +34,7 @@ def test_completion_body_carries_only_what_was_set():
     assert (body["max_tokens"], body["temperature"], body["seed"]) == (0, 0.0, 0)
     assert body["stop"] == ["x"] and body["stop_token_ids"] == [2]
     assert "top_p" not in body and "n" not in body and "repetition_penalty" not in body and "logprobs" not in body
+    assert body["model"] == "tiny" and "model" not in request_body(build_request("", "hi"))[0]  # "": unset
 
 
 def test_logprobs_follow_each_api():
@@ -73,6 +74,10 @@ class FakeContext:
     def __init__(self, metadata=()):
         self.metadata = list(metadata)
         self.code = self.details = None
+        self.trailing_metadata = []
+
+    def set_trailing_metadata(self, metadata):
+        self.trailing_metadata = list(metadata)
 
     def invocation_metadata(self):
         return self.metadata
@@ -145,6 +150,7 @@ def test_generate_streams_then_usage_and_closes(interval_s):
     assert [t for c in chunks for t in c.token_ids] == [4, 5]
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (3, 2)
     assert {c.id for c in chunks} == {"cmpl-r-1"} and events.closed and context.code is None
+    assert context.trailing_metadata == [("x-request-id", "r-1")]
 
 
 def test_rejections_set_the_status_before_raising():
@@ -154,6 +160,7 @@ def test_rejections_set_the_status_before_raising():
         with pytest.raises(RuntimeError):
             asyncio.run(_collect(router.Generate(build_request("tiny", "hi"), grpc_context=context)))
         assert context.code == grpc.StatusCode.UNAUTHENTICATED and "API key" in context.details
+        assert context.details.endswith(f"(request id {context.trailing_metadata[0][1]})")
     assert not router.started
     context = FakeContext([("authorization", "Bearer sk-1")])
     asyncio.run(_collect(router.Generate(build_request("tiny", "hi"), grpc_context=context)))
@@ -172,7 +179,8 @@ def test_failure_mid_stream_is_internal_and_closes():
     with pytest.raises(RuntimeError):
         asyncio.run(run())
     assert [c.text for c in chunks] == ["a"] and events.closed
-    assert context.code == grpc.StatusCode.INTERNAL and context.details == "generation failed"
+    assert context.code == grpc.StatusCode.INTERNAL
+    assert context.details == f"generation failed (request id {context.trailing_metadata[0][1]})"
 
 
 def test_models_and_its_auth():
