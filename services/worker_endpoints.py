@@ -5,9 +5,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pdserve import trace_attributes as ta
+from pdserve.contract import WorkerRequest
+from pdserve.kvcache.handoff import engine_layout
+from pdserve.kvcache.prefix_pull import PrefixPull, PrefixPuller
+
 
 class WorkerEndpoints:
     """Mixin over a deployment's `engine` (AsyncLLMEngine) and `telemetry` (pdserve.telemetry.Telemetry)."""
+
+    prefix_puller: PrefixPuller | None = None  # the Redis tier, when the KV transport is redis
 
     def stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.stats())
@@ -19,3 +26,31 @@ class WorkerEndpoints:
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by the router (and Serve) for placement: EngineStats plus this replica's id."""
         return {**dataclasses.asdict(self.engine.stats()), "replica": self.telemetry.replica}
+
+    def kv_events(self, target: dict[str, Any]) -> dict[str, Any]:
+        """The pool's prefix-cache events after the router's cursor (`target["cursor"]`: [epoch, seq]), or
+        all it holds (pdserve.kv_events), with this replica's id and KV layout hash (the Redis tier's key
+        space). `target["replica"]` steers the call to this replica; see PlacementRequestRouter."""
+        batch = self.engine.kv_events.read(target.get("cursor")).to_dict()
+        return {**batch, "replica": self.telemetry.replica, "layout_hash": engine_layout(self.engine).layout_hash}
+
+    async def pull_prefix(self, request: WorkerRequest, span: Any) -> PrefixPull | None:
+        """The request's leading blocks that placement found in the Redis tier, into the pool before the
+        prompt is admitted; a failed pull is counted (pdserve_fallbacks_total{reason="prefix_..."}) and
+        the prompt recomputed."""
+        if not request.prefix_pull_blocks or self.prefix_puller is None:
+            return None
+        pull = await self.prefix_puller.pull(request.prompt_token_ids, request.prefix_pull_blocks)
+        if pull.failure is not None:
+            self.telemetry.metrics.count_fallback(f"prefix_{pull.failure}")
+            span.add_event(ta.EVENT_FALLBACK, {ta.FALLBACK_REASON: f"prefix_{pull.failure}", "error": pull.error or ""})
+        return pull
+
+    def count_prefix_hits(self, pull: PrefixPull | None, num_cached_tokens: int, span: Any) -> None:
+        """The engine's prefix hit by source, in metrics and on the span."""
+        sources = pull.hit_sources(num_cached_tokens) if pull is not None else {"local": num_cached_tokens, "redis": 0}
+        for source, n in sources.items():
+            if n:
+                self.telemetry.metrics.add_prefix_cache_hit_tokens(n, source)
+        span.set_attributes({ta.PREFIX_CACHE_HIT_TOKENS: num_cached_tokens,
+                             **{f"{ta.PREFIX_CACHE_HIT_TOKENS}.{source}": n for source, n in sources.items()}})

@@ -77,12 +77,17 @@ class WorkerRequest:
     max_prefill_chunk: int | None = None  # the router's per-step cap on this prompt; None: the engine's budget
     trace: Mapping[str, str] = field(default_factory=dict)  # W3C trace context of the caller's span
     replica: str | None = None  # the replica placement chose; None: the request router picks
+    # leading prompt blocks to take from the Redis tier where the worker's pool misses them (placement found
+    # them there and predicts the pull faster than the prefill); 0: none
+    prefix_pull_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError("max_prefill_chunk must be at least 1")
+        if self.prefix_pull_blocks < 0:
+            raise ValueError("prefix_pull_blocks must be non-negative")
 
     def to(self, replica: str | None) -> WorkerRequest:
         return dataclasses.replace(self, replica=replica)

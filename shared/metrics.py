@@ -144,9 +144,12 @@ class ServingMetrics:
         self._kv_usage = gauge("pdserve_kv_cache_usage_ratio", "Share of KV cache blocks in use (0..1)")
         self._running = gauge("pdserve_requests_running", "Requests being processed")
         self._waiting = gauge("pdserve_requests_waiting", "Requests queued")
-        self._prefix_hits = counter(
-            "pdserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"
+        self._prefix_hits = Counter(
+            "pdserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache, by where the "
+            "blocks came from (local: this pool; redis: pulled from the Redis tier)", [*LABELS, "source"], registry=r,
         )
+        for source in ("local", "redis"):  # both series from the start, at 0
+            self._prefix_hits.labels(*self.labels, source)
         self._prompt_tokens = counter("pdserve_prompt_tokens", "Prompt tokens admitted")
         self._generation_tokens = counter("pdserve_generation_tokens", "Tokens generated")
         self._decisions = Counter(
@@ -223,8 +226,8 @@ class ServingMetrics:
 
     # ---- counts
 
-    def add_prefix_cache_hit_tokens(self, n: int) -> None:
-        self._prefix_hits.inc(n)
+    def add_prefix_cache_hit_tokens(self, n: int, source: str = "local") -> None:
+        self._prefix_hits.labels(*self.labels, source).inc(n)
 
     def add_prompt_tokens(self, n: int) -> None:
         self._prompt_tokens.inc(n)

@@ -18,6 +18,7 @@ from pdserve.engine.coalesce import merge_deltas
 from pdserve.engine.outputs import GenerationRequest
 from pdserve import trace_attributes as ta
 from pdserve.kvcache.handoff import KVImporter, engine_layout
+from pdserve.kvcache.prefix_pull import PrefixPuller
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.telemetry import Telemetry
@@ -30,6 +31,7 @@ class DecodeDeployment(WorkerEndpoints):
         self.config = WorkerConfig.model_validate(config)
         self.engine = engine or AsyncLLMEngine.from_config(self.config.engine_config())
         self.importer = KVImporter(self.engine, build_transport(self.config, self.engine))
+        self.prefix_puller = PrefixPuller.over(self.engine, self.importer.transport)
         self.telemetry = Telemetry("decode", self.config.model, self.config.tracing_env)
         self.block_nbytes = engine_layout(self.engine).block_nbytes
 
@@ -49,6 +51,7 @@ class DecodeDeployment(WorkerEndpoints):
                                   attributes={ta.DECODE_REPLICA: self.telemetry.replica})
         num_tokens = 0
         spec_counts = (0, 0, 0)  # drafted, accepted, verification steps: cumulative on every delta
+        pull = None  # the Redis tier's part of a local prefill's prefix
         try:
             if handoff is not None:
                 if first_token_id is None:
@@ -56,8 +59,10 @@ class DecodeDeployment(WorkerEndpoints):
                 gen, fallback = await self._import(gen, handoff, first_token_id, span)
                 if fallback is not None:
                     yield fallback
+                    pull = await self.pull_prefix(request, span)
             else:
                 metrics.add_prompt_tokens(len(prompt))
+                pull = await self.pull_prefix(request, span)
             coalesce = self.config.stream_coalesce  # off: one message per engine delta
             stream = self.engine.generate_batches(gen, self.config.stream_interval_ms / 1e3 if coalesce else 0.0)
             async with aclosing(stream) as batches:  # closed at once when the caller goes: the engine aborts
@@ -66,7 +71,7 @@ class DecodeDeployment(WorkerEndpoints):
                         if num_tokens == 0:
                             queue = delta.queue_time_s or 0.0
                             metrics.observe_queue(queue)
-                            metrics.add_prefix_cache_hit_tokens(delta.num_cached_tokens)
+                            self.count_prefix_hits(pull, delta.num_cached_tokens, span)
                             span.set_attributes({ta.QUEUE_SECONDS: queue, ta.PREFILL_CHUNKS: delta.num_prefill_chunks,
                                                  "pdserve.decode.first_step_seconds": time.monotonic() - start})
                         num_tokens += len(delta.token_ids)

@@ -11,7 +11,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from pdserve.kvcache.transports.redis import block_key
+from pdserve.kvcache.transports.redis import block_key, stored_prefix_length
 from pdserve.services.kvstore.config import KVStoreConfig
 
 __all__ = ["KVStore", "KVStoreUnavailable", "block_key"]
@@ -47,13 +47,9 @@ class KVStore:
         if not block_hashes:
             return 0
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for h in block_hashes:
-                    pipe.exists(block_key(self.config.key_prefix, layout_hash, h))
-                present = await pipe.execute()
+            hits = await stored_prefix_length(self.client, self.config.key_prefix, layout_hash, block_hashes)
         except RedisError as exc:
             raise KVStoreUnavailable(self._explain(exc)) from exc
-        hits = next((i for i, p in enumerate(present) if not p), len(present))
         self.num_hit_blocks += hits
         return hits
 

@@ -14,6 +14,7 @@ from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.outputs import GenerationRequest
 from pdserve import trace_attributes as ta
 from pdserve.kvcache.handoff import KVExporter
+from pdserve.kvcache.prefix_pull import PrefixPuller
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.telemetry import Telemetry
@@ -27,6 +28,7 @@ class PrefillDeployment(WorkerEndpoints):
         self.engine = engine or AsyncLLMEngine.from_config(self.config.engine_config())
         self.transport = build_transport(self.config, self.engine)
         self.exporter = KVExporter(self.engine, self.transport)
+        self.prefix_puller = PrefixPuller.over(self.engine, self.transport)
         self.telemetry = Telemetry("prefill", self.config.model, self.config.tracing_env)
         self._started = False
 
@@ -43,18 +45,18 @@ class PrefillDeployment(WorkerEndpoints):
         metrics = self.telemetry.metrics
         with self.telemetry.tracing.span(ta.SPAN_PREFILL, context=self.telemetry.parent(request.trace),
                                          attributes={ta.PREFILL_REPLICA: self.telemetry.replica}) as span:
+            pull = await self.pull_prefix(request, span)
             (delta,) = [d async for d in self.engine.generate(gen)]
             elapsed = time.monotonic() - start
             queue = delta.queue_time_s or 0.0
             span.set_attributes({
                 ta.QUEUE_SECONDS: queue, ta.PREFILL_CHUNKS: delta.num_prefill_chunks,
-                ta.PROMPT_TOKENS: delta.num_prompt_tokens, ta.PREFIX_CACHE_HIT_TOKENS: delta.num_cached_tokens,
-                ta.KV_TRANSPORT: self.config.transport,
+                ta.PROMPT_TOKENS: delta.num_prompt_tokens, ta.KV_TRANSPORT: self.config.transport,
             })
             metrics.observe_queue(queue)
             metrics.observe_prefill(elapsed - queue)
             metrics.add_prompt_tokens(delta.num_prompt_tokens)
-            metrics.add_prefix_cache_hit_tokens(delta.num_cached_tokens)
+            self.count_prefix_hits(pull, delta.num_cached_tokens, span)
             handoff: HandoffParams | None = None
             if delta.kv_handoff is not None:
                 try:

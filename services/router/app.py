@@ -114,7 +114,8 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         placement = PlacementConfig.model_validate({
             "disaggregate_min_prompt_tokens": self.config.disaggregate_min_prompt_tokens, **self.config.placement})
         profile = LatencyProfile.from_dict(self.config.profile) if self.config.profile else None
-        self.placer = Placer(placement, profile, _app_name(), prefill is not None)
+        self.placer = Placer(placement, profile, _app_name(), prefill is not None,
+                             workers={"prefill": prefill, "decode": decode}, kvstore=kvstore)
         self.num_inflight = 0
         self.created = int(time.time())
         self._background: set[asyncio.Task] = set()
@@ -180,7 +181,7 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
             check_auth(request, self.api_keys)
             data = merge_slo_headers(await read_json(request, self.config.max_body_bytes), request.headers)
             parent = self.telemetry.tracing.context_from_headers(request.headers)
-            prepared, meta, events = self._start(data, chat, request.state.request_id, parent)
+            prepared, meta, events = await self._start(data, chat, request.state.request_id, parent)
             first = await first_event(events, self.config.retry_after_s)
         except APIError as err:
             return self._reject(err, endpoint)
@@ -206,7 +207,7 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         finally:
             await events.aclose()
 
-    def _start(
+    async def _start(
         self, data: dict[str, Any], chat: bool, request_id: str, parent=None
     ) -> tuple[Prepared, oa.ResponseMeta, AsyncIterator[tuple[int, dict]]]:
         """Admits a parsed body (raises APIError, touching no engine) and starts it under a SERVER span
@@ -223,7 +224,7 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
                                   kind=SpanKind.SERVER, attributes=self._request_attributes(prepared, meta, request_id))
         with tracing.span(ta.SPAN_ROUTE, context=trace.set_span_in_context(span)) as route:
             try:
-                placements = [self._place(prepared, ids) for ids in prepared.prompts]
+                placements = [await self._place(prepared, ids) for ids in prepared.prompts]
             except APIError as err:
                 span.set_status(trace.StatusCode.ERROR, err.message)
                 span.end()
@@ -244,13 +245,13 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         self.metrics.add_prompt_tokens(prepared.num_prompt_tokens * prepared.n)
         return prepared, meta, self._merged(request_id, prepared, placements, span, meta)
 
-    def _place(self, p: Prepared, prompt_ids: tuple[int, ...]) -> Placement:
+    async def _place(self, p: Prepared, prompt_ids: tuple[int, ...]) -> Placement:
         """One prompt's placement by the policy over live replica stats (until they arrive, the
         prompt-length rule and Serve's own replica choice). No placement within the SLOs (admission:
         reject) is a 429."""
         self.placer.start()
         request = PlacementRequest(len(prompt_ids), p.params.max_tokens, p.ttft_slo_s, p.tpot_slo_s, p.priority)
-        result = self.placer.place(request, prompt_ids)
+        result = await self.placer.place(request, prompt_ids)
         if isinstance(result, Rejection):
             retry = max(1, round(result.retry_after_s))
             raise APIError(429, f"no replica can serve this request within its SLOs ({result.reason}); retry later",

@@ -115,7 +115,7 @@ class DispatchMixin:
         """One choice's token batches. The request names the replica placement chose (None: Serve's choice),
         which PlacementRequestRouter honours."""
         request = WorkerRequest(request_id, prompt_ids, params, placement.priority, placement.prefill_chunk_tokens,
-                                carrier)
+                                carrier, prefix_pull_blocks=placement.prefix_pull_blocks)
         handoff = stream = None
         finished = imported = False
         try:
@@ -195,6 +195,9 @@ def prediction_attributes(placement: Placement) -> dict[str, Any]:
         out["pdserve.placement.predicted_ttft_s"] = placement.predicted_ttft_s
     if placement.predicted_tpot_s is not None:
         out["pdserve.placement.predicted_tpot_s"] = placement.predicted_tpot_s
+    if placement.prefix_hit_tokens or placement.prefix_pull_blocks:
+        out["pdserve.placement.prefix_hit_tokens"] = placement.prefix_hit_tokens
+        out["pdserve.placement.prefix_pull_blocks"] = placement.prefix_pull_blocks
     if placement.prefill_chunk_tokens is not None:
         out["pdserve.placement.prefill_chunk_tokens"] = placement.prefill_chunk_tokens
     if placement.candidates:

@@ -131,7 +131,7 @@ class GrpcServiceMixin:
             body, chat = request_body(request)
             parent = self.telemetry.tracing.context_from_headers(
                 grpc_context.invocation_metadata() if grpc_context is not None else None)
-            prepared, meta, events = self._start(body, chat, request_id, parent)
+            prepared, meta, events = await self._start(body, chat, request_id, parent)
         except APIError as err:
             raise self._grpc_reject(err, "grpc_generate", grpc_context, request_id) from None
         num_tokens = 0

@@ -35,13 +35,14 @@ class PendingPlacements:
         self._entries[replica_id].append(_Entry(self._clock(), prefill_tokens, blocks))
 
     def record_placement(self, placement: Placement, request: PlacementRequest, block_size: int) -> None:
-        """The prompt's prefill and blocks on the prefill replica (or the decode replica when local), and
-        the whole sequence's blocks on the decode replica."""
+        """The prompt's prefill (less its expected prefix hit) and blocks on the prefill replica (or the
+        decode replica when local), and the whole sequence's blocks on the decode replica."""
         prompt = request.num_prompt_tokens
+        computed = prompt - placement.prefix_hit_tokens
         if placement.disaggregate and placement.prefill_replica is not None:
-            self.record(placement.prefill_replica, prompt, -(-prompt // block_size))
+            self.record(placement.prefill_replica, computed, -(-prompt // block_size))
         if placement.decode_replica is not None:
-            local_prefill = 0 if placement.disaggregate else prompt
+            local_prefill = 0 if placement.disaggregate else computed
             blocks = -(-(prompt + request.max_tokens) // block_size)
             self.record(placement.decode_replica, local_prefill, blocks)
 

@@ -1,7 +1,8 @@
 """Placement: which prefill and decode replica serve a request, as a pure function of stats snapshots.
 
 Policies sit behind `PlacementPolicy` and are built by name from `POLICIES` (`create_policy`):
-`round_robin` and `least_loaded` here, `slo_aware` (the default) in `slo_aware.py`. No Ray, no I/O,
+`round_robin` and `least_loaded` here, `slo_aware` (the default) in `slo_aware.py`, `kv_aware` in
+`kv_aware.py`. No Ray, no I/O,
 no torch: the router builds the snapshots and owns the policy object (round-robin keeps its counter).
 
 One path for every policy: the topology is resolved once, when the policy is built (colocated means
@@ -14,7 +15,7 @@ here only; each replica's chunk cap is the token budget it reports.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, NamedTuple
 
@@ -42,7 +43,8 @@ class ReplicaSnapshot:
     recent_step_time_s: float | None = None  # mean of the recent steps
     recent_step_tokens: float | None = None  # mean tokens per recent step (decodes + prefill chunks)
     num_context_tokens: int | None = None  # None: estimated from the used blocks
-    prefix_hashes: frozenset[int] | None = None  # block hashes cached on the replica; None: unknown
+    # block hashes cached on the replica (the router's prefix index, read within one placement); None: unknown
+    prefix_hashes: Container[int] | None = None
     num_pending: int = 0
     pending_prefill_tokens: int = 0
     pending_blocks: int = 0
@@ -117,6 +119,10 @@ class Placement:
     prefill_chunk_tokens: int | None = None
     priority: Priority = Priority.INTERACTIVE  # the request's, passed to the engine
     meets_slo: bool = True
+    # on the replica that prefills: prompt tokens expected cached there (its own pool, or pulled), and the
+    # leading blocks it takes from the Redis tier where its pool misses (0: none)
+    prefix_hit_tokens: int = 0
+    prefix_pull_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,7 +150,15 @@ class PlacementConfig(BaseModel):
     reject_factor: float = Field(1.0, ge=1)
     min_retry_after_s: float = Field(1.0, ge=0)
     transport: str | None = None  # KV handoff transport; None: transfer time not modelled
-    kvstore_transport: str | None = None  # how kvstore prefix hits are pulled; None: free
+    kvstore_transport: str | None = "redis"  # how kvstore prefix hits are pulled (a profile transfer model)
+    kvstore_timeout_s: float = Field(0.25, gt=0)  # a slower kvstore lookup counts as a miss
+    # the prefix index: a replica whose KV events are older than this is unknown (no prefix credit); blocks
+    # placed on a replica count as held there for prefix_expect_s, until its events show them
+    prefix_max_age_s: float = Field(1.0, gt=0)
+    prefix_expect_s: float = Field(10.0, ge=0)
+    # kv_aware without a latency profile: replicas within this many requests of the least loaded one
+    # compete on the longest cached prefix
+    kv_aware_load_slack: int = Field(2, ge=0)
     # a prefill chunk step takes at most this share of the request's TTFT SLO, so requests behind a
     # long prompt wait at most about one chunk
     chunk_ttft_fraction: float = Field(0.25, gt=0, le=1)
@@ -248,6 +262,7 @@ POLICIES: dict[str, str] = {
     "round_robin": "pdserve.services.router.placement:RoundRobin",
     "least_loaded": "pdserve.services.router.placement:LeastLoaded",
     "slo_aware": "pdserve.services.router.slo_aware:SloAware",
+    "kv_aware": "pdserve.services.router.kv_aware:KvAware",
 }
 
 

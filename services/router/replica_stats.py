@@ -5,6 +5,10 @@ numbers, so the router calls each replica actor's `record_routing_stats` itself 
 (replicas are found by Serve's actor naming, `SERVE_REPLICA::{app}#{deployment}#{id}`, refreshed
 every `discover_every_s`). A snapshot older than `staleness_s` is reported with its age, and a
 replica that stopped answering drops out after `2 * staleness_s`.
+
+With a prefix index, each poll also reads every replica's KV events after the index's cursor
+(`kv_events`, through the deployment's handle, steered to the replica by PlacementRequestRouter; a
+reply from any other replica is dropped) and applies them to the index.
 """
 
 from __future__ import annotations
@@ -13,7 +17,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
+
+from pdserve.kv_events import KVEventBatch
+from pdserve.services.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 PREFIX = "SERVE_REPLICA::"
@@ -30,9 +38,12 @@ class ReplicaStats:
 class ReplicaStatsPoller:
     def __init__(
         self, app_name: str, deployments: tuple[str, ...], period_s: float = 0.1, staleness_s: float = 1.0,
-        discover_every_s: float = 2.0,
+        discover_every_s: float = 2.0, kv_sources: Mapping[str, Any] | None = None,
+        index: PrefixIndex | None = None,
     ) -> None:
         self.app_name = app_name
+        self.kv_sources = {role: h for role, h in (kv_sources or {}).items() if h is not None}  # role -> handle
+        self.index = index
         self.deployments = deployments
         self.period_s = period_s
         self.staleness_s = staleness_s
@@ -83,17 +94,27 @@ class ReplicaStatsPoller:
         for key in list(self._latest):
             if key not in found:
                 del self._latest[key]
+                if self.index is not None:
+                    self.index.forget(key[1])
 
     async def _poll(self) -> None:
         keys = list(self._actors)
+        events = [k for k in keys if self.index is not None and k[0] in self.kv_sources]
         replies = await asyncio.gather(
             *(asyncio.wait_for(self._actors[k].record_routing_stats.remote(), self.staleness_s) for k in keys),
+            *(self._read_events(*k) for k in events),
             return_exceptions=True,
         )
         now = time.monotonic()
         for (deployment, replica), reply in zip(keys, replies):
             if isinstance(reply, dict) and reply:
                 self._latest[(deployment, replica)] = ReplicaStats(replica, deployment, reply, now)
+
+    async def _read_events(self, deployment: str, replica: str) -> None:
+        target = {"replica": replica, "cursor": self.index.cursor(replica)}
+        reply = await asyncio.wait_for(self.kv_sources[deployment].kv_events.remote(target), self.staleness_s)
+        if isinstance(reply, dict) and reply.get("replica") == replica:
+            self.index.apply(replica, KVEventBatch.from_dict(reply), reply.get("layout_hash"))
 
     async def close(self) -> None:
         if self._task is not None:

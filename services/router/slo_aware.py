@@ -9,8 +9,9 @@
 3. Otherwise the prefill replica with the earliest predicted first token: its queue, this prompt less
    the prefix credit, and the KV transfer to the decode replica.
 
-Prefix credit: the longest run of the prompt's block hashes cached on the replica, or the kvstore's
-hit (pulled at the kvstore transport's cost), whichever is longer; at least one token is computed.
+Prefix credit: the longest run of the prompt's block hashes cached on the replica (the router's prefix
+index), or the Redis tier's hit when pulling its extra blocks (at the kvstore transport's cost) is
+predicted faster than computing them; at least one token is computed.
 
 Chunk budget: the largest multiple of the block size c (one block at least, at most the token budget
 the replica reports)
@@ -25,13 +26,14 @@ for stale stats, by the stale penalty.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 from pdserve.latency_model import LatencyModel, LatencyProfile
 from pdserve.services.router.placement import (
     Candidate, Placement, PlacementConfig, PlacementPolicy, PlacementRequest, Rejection, ReplicaSnapshot,
 )
+from pdserve.services.router.prefix_index import leading_hits
 
 
 @dataclass(frozen=True)
@@ -58,15 +60,23 @@ def largest_chunk(step_s: Callable[[int], float], limit_s: float, block_size: in
     return lo * block_size
 
 
-def prefix_hit_tokens(block_hashes: Sequence[int], cached: frozenset[int] | None, block_size: int) -> int:
-    if not cached:
-        return 0
-    hits = 0
-    for h in block_hashes:  # chained hashes: a miss ends the shared prefix
-        if h not in cached:
-            break
-        hits += 1
-    return hits * block_size
+def prefix_hit_tokens(block_hashes: Sequence[int], cached: Container[int] | None, block_size: int) -> int:
+    return leading_hits(block_hashes, cached) * block_size
+
+
+def pull_s(model: LatencyModel | None, transport: str | None, num_tokens: int) -> float:
+    """Predicted time to pull `num_tokens` of KV from the Redis tier; 0 without a transfer model for it."""
+    if model is None or transport is None or transport not in model.transfers or num_tokens <= 0:
+        return 0.0
+    return model.kv_transfer_s(num_tokens, transport)
+
+
+def is_pull_faster(model: LatencyModel | None, transport: str | None, num_tokens: int, num_cached: int) -> bool:
+    """Pulling `num_tokens` of KV beats computing them after `num_cached` cached tokens; without a
+    latency model, assumed (a pull moves bytes, a prefill runs the model)."""
+    if model is None or num_tokens <= 0:
+        return num_tokens > 0
+    return pull_s(model, transport, num_tokens) < model.prefill_time_s(num_tokens, num_cached)
 
 
 class SloAware(PlacementPolicy):
@@ -105,13 +115,14 @@ class SloAware(PlacementPolicy):
         fresh = [r for r in replicas if r.age_s <= self.config.max_stats_age_s]
         penalty = 1.0 if fresh else self.config.stale_penalty
         options = []
+        transport, most = self.config.kvstore_transport, request.num_prompt_tokens - 1
         for r in fresh or replicas:
-            local = prefix_hit_tokens(request.block_hashes, r.prefix_hashes, r.block_size)
-            credit = min(max(local, request.kvstore_hit_tokens), request.num_prompt_tokens - 1)
-            pull = 0.0
-            if credit > local and self.config.kvstore_transport is not None:
-                pull = model.kv_transfer_s(credit - local, self.config.kvstore_transport)
-            options.append(_Option(r, penalty * self.slowdown(r, model), credit, min(local, credit), pull))
+            local = min(prefix_hit_tokens(request.block_hashes, r.prefix_hashes, r.block_size), most)
+            credit, pull = local, 0.0
+            stored = min(request.kvstore_hit_tokens, most)
+            if stored > local and is_pull_faster(model, transport, stored - local, local):
+                credit, pull = stored, pull_s(model, transport, stored - local)
+            options.append(_Option(r, penalty * self.slowdown(r, model), credit, local, pull))
         return options
 
     def chunk_budget(
@@ -178,15 +189,23 @@ class SloAware(PlacementPolicy):
                 return Rejection("kv_full", cfg.min_retry_after_s)
             o = min(d_options, key=lambda o: (-_free(o.replica), o.replica.replica_id))
             return self._split(request, o, prefill, "kv_full", None, ())
-        scored = sorted(((self.tpot_s(request, o), o) for o in roomy),
-                        key=lambda t: (t[0], -_free(t[1].replica), t[1].replica.replica_id))
-        candidates = tuple(Candidate(o.replica.replica_id, "decode", "tpot", t) for t, o in scored)
-        tpot, best = scored[0]
+        ranked = self.rank_decode(request, roomy, prefill)
+        candidates = tuple(c for _, _, c in ranked)
+        tpot, best, _ = ranked[0]
         if tpot <= request.tpot_slo_s:
             return self._split(request, best, prefill, None, tpot, candidates)
         if cfg.admission == "reject" and tpot > cfg.reject_factor * request.tpot_slo_s:
             return Rejection("tpot", cfg.min_retry_after_s)
         return self._split(request, best, prefill, "tpot", tpot, candidates)
+
+    def rank_decode(
+        self, request: PlacementRequest, roomy: Sequence[_Option], prefill: Sequence[ReplicaSnapshot]
+    ) -> list[tuple[float, _Option, Candidate]]:
+        """Decode options with room, best first, each with its predicted TPOT: here the lowest TPOT (ties:
+        the most free blocks, then the replica id)."""
+        scored = sorted(((self.tpot_s(request, o), o) for o in roomy),
+                        key=lambda t: (t[0], -_free(t[1].replica), t[1].replica.replica_id))
+        return [(t, o, Candidate(o.replica.replica_id, "decode", "tpot", t)) for t, o in scored]
 
     def _split(
         self, request: PlacementRequest, d: _Option, prefill: Sequence[ReplicaSnapshot], over: str | None,
@@ -220,6 +239,22 @@ class SloAware(PlacementPolicy):
         self, request: PlacementRequest, prefill: Sequence[ReplicaSnapshot], local: Placement
     ) -> Placement | None:
         """`local` with its prefill moved to the replica with the earliest first token; None: all full."""
+        scored = self._remote_scores(request, prefill)
+        if not scored:
+            return None
+        ttft, _, replica_id, chunk = scored[0]
+        return _replace(
+            local, disaggregate=True, prefill_replica=replica_id, reason="disaggregated",
+            predicted_ttft_s=ttft,
+            candidates=local.candidates + tuple(Candidate(r, "prefill", "ttft", t) for t, _, r, _ in scored),
+            prefill_chunk_tokens=min(chunk, request.num_prompt_tokens),
+        )
+
+    def _remote_scores(
+        self, request: PlacementRequest, prefill: Sequence[ReplicaSnapshot]
+    ) -> list[tuple[float, int, str, int]]:
+        """(predicted first token incl. the KV transfer, -free blocks, replica id, chunk) for each prefill
+        replica with room, earliest first."""
         model, transport = self.prefill_model, self.config.transport
         transfer = 0.0 if transport is None else model.kv_transfer_s(request.num_prompt_tokens, transport)
         scored = []
@@ -229,16 +264,7 @@ class SloAware(PlacementPolicy):
             chunk, _ = self.chunk_budget(request, o, model, 0)
             ttft = self.prefill_s(request, o, model, chunk, 0) + transfer
             scored.append((ttft, -_free(o.replica), o.replica.replica_id, chunk))
-        if not scored:
-            return None
-        scored.sort()
-        ttft, _, replica_id, chunk = scored[0]
-        return _replace(
-            local, disaggregate=True, prefill_replica=replica_id, reason="disaggregated",
-            predicted_ttft_s=ttft,
-            candidates=local.candidates + tuple(Candidate(r, "prefill", "ttft", t) for t, _, r, _ in scored),
-            prefill_chunk_tokens=min(chunk, request.num_prompt_tokens),
-        )
+        return sorted(scored)
 
     def _admit(
         self, request: PlacementRequest, p: Placement, over: str | None, interference_ok: bool

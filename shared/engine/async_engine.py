@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import EngineStats, GenerationRequest, TokenDelta
+from pdserve.kv_events import KVEventLog
 
 
 class AsyncLLMEngine:
@@ -105,6 +106,17 @@ class AsyncLLMEngine:
             released = self.engine.release_lease(lease_id)
             self._stats = self.engine.stats()
         return released
+
+    async def cache_lease(self, lease_id: str, block_hashes: list[int]) -> int:
+        async with self._lock:
+            num_cached = self.engine.cache_lease(lease_id, block_hashes)
+            self._stats = self.engine.stats()
+        return num_cached
+
+    @property
+    def kv_events(self) -> KVEventLog:
+        """The pool's prefix-cache events (thread-safe: read it any time)."""
+        return self.engine.block_manager.events
 
     async def release_lease_quietly(self, lease_id: str) -> None:
         """Release callback for KV transports (an already-expired lease is not an error)."""

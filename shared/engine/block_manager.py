@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pdserve.engine.sequence import Sequence
+from pdserve.kv_events import KVEventLog
 from pdserve.prefix_hash import block_hash  # noqa: F401 - re-exported: the engine's prefix-cache key
 
 
@@ -34,6 +35,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.events = KVEventLog()  # every hash entering or leaving hash_to_block, for routers
         self.num_prefix_hit_tokens = 0
         self.num_prefix_queried_tokens = 0
         # block taken for drafts -> (order taken, the hash it held in the free list)
@@ -130,6 +132,7 @@ class BlockManager:
             if previous is not None and previous not in self.hash_to_block:
                 block.hash = previous
                 self.hash_to_block[previous] = block_id
+                self.events.stored(previous)
             self.free_blocks[block_id] = None
             self.free_blocks.move_to_end(block_id, last=False)
         self.speculative_blocks.clear()
@@ -146,6 +149,22 @@ class BlockManager:
             if h not in self.hash_to_block and block.hash is None:
                 block.hash = h
                 self.hash_to_block[h] = block.block_id
+                self.events.stored(h)
+
+    def cache_blocks(self, block_ids: list[int], block_hashes: list[int]) -> int:
+        """Release blocks whose contents are known (KV pulled from a shared store) into the prefix cache
+        under their chained hashes; a hash already cached keeps its block. Returns the blocks cached."""
+        num_cached = 0
+        if self.enable_prefix_caching:
+            for block_id, h in zip(block_ids, block_hashes):
+                block = self.blocks[block_id]
+                if h not in self.hash_to_block and block.hash is None:
+                    block.hash = h
+                    self.hash_to_block[h] = block_id
+                    self.events.stored(h)
+                    num_cached += 1
+        self.release_blocks(block_ids)
+        return num_cached
 
     def free(self, seq: Sequence) -> None:
         self.release_blocks(seq.block_table)
@@ -164,6 +183,7 @@ class BlockManager:
         if block.hash is not None:
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
+                self.events.evicted(block.hash)
             block.hash = None
         block.ref_count = 1
         return block_id

@@ -143,6 +143,15 @@ class LLMEngine:
         self.block_manager.release_blocks(list(lease.block_ids))
         return True
 
+    def cache_lease(self, lease_id: str, block_hashes: list[int]) -> int:
+        """End a lease whose blocks hold known KV (pulled from a shared store, block i under
+        `block_hashes[i]`) by releasing them into the prefix cache; returns the blocks cached."""
+        lease = self.leases.take(lease_id)
+        if len(block_hashes) != len(lease.block_ids):
+            self.block_manager.release_blocks(list(lease.block_ids))
+            raise ValueError(f"{len(block_hashes)} hashes for {len(lease.block_ids)} leased blocks")
+        return self.block_manager.cache_blocks(list(lease.block_ids), list(block_hashes))
+
     def expire_leases(self, now: float | None = None) -> int:
         expired = self.leases.expired(now)
         for lease in expired:

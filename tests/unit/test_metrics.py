@@ -121,8 +121,11 @@ def test_counters_and_gauges():
     assert value(fam, "pdserve_prompt_tokens", "pdserve_prompt_tokens_total", **labels) == 12
     assert value(fam, "pdserve_generation_tokens", "pdserve_generation_tokens_total", **labels) == 3
     assert (
-        value(fam, "pdserve_prefix_cache_hit_tokens", "pdserve_prefix_cache_hit_tokens_total", **labels) == 16
+        value(fam, "pdserve_prefix_cache_hit_tokens", "pdserve_prefix_cache_hit_tokens_total", **labels,
+              source="local") == 16
     )
+    assert value(fam, "pdserve_prefix_cache_hit_tokens", "pdserve_prefix_cache_hit_tokens_total", **labels,
+                 source="redis") == 0
     decisions = "pdserve_disaggregation_decisions"
     assert (
         value(fam, decisions, decisions + "_total", decision="disaggregate", reason="long_prompt", **labels)

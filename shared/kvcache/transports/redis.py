@@ -64,6 +64,24 @@ def partial_block_hash(prev_hash: int, block: memoryview | bytes) -> int:
     return digest.intdigest()
 
 
+async def stored_prefix_length(
+    client: aioredis.Redis, key_prefix: str, layout_hash: int, block_hashes: Sequence[int], batch_blocks: int = 64
+) -> int:
+    """How many leading blocks of a hash chain the store holds (pipelined EXISTS, a batch at a time,
+    stopping at the first batch with a miss). Raises redis errors as they come."""
+    num_present = 0
+    for start in range(0, len(block_hashes), batch_blocks):
+        async with client.pipeline(transaction=False) as pipe:
+            for h in block_hashes[start : start + batch_blocks]:
+                pipe.exists(block_key(key_prefix, layout_hash, h))
+            found = await pipe.execute()
+        for is_present in found:
+            if not is_present:
+                return num_present
+            num_present += 1
+    return num_present
+
+
 class RedisTransport(KVTransport):
     """Exporter copies a lease's blocks into Redis and releases the lease; importers pull by key.
 
@@ -161,48 +179,54 @@ class RedisTransport(KVTransport):
                 f"a redis handoff needs one content address per block: "
                 f"{len(params.block_hashes)} hashes for {len(params.block_ids)} blocks"
             )
+        self.bytes_pulled += await self._fetch(
+            params.layout_hash, params.block_hashes, dest_block_ids, f"lease {params.lease_id!r}")
+
+    async def pull_prefix(self, layout_hash: int, block_hashes: Sequence[int], dest_block_ids: list[int]) -> None:
+        """Fill dest blocks with the stored blocks of a prompt's hash chain (the cross-instance prefix
+        cache), verified like `pull`: layout, hash and checksum of every block before it is written."""
+        self.layout.check_compatible(layout_hash)
+        if len(block_hashes) != len(dest_block_ids):
+            raise ValueError(f"{len(block_hashes)} block hashes for {len(dest_block_ids)} destination blocks")
+        self.bytes_pulled += await self._fetch(layout_hash, block_hashes, dest_block_ids, "prefix")
+
+    async def _fetch(self, layout_hash: int, block_hashes: Sequence[int], dest_block_ids: list[int], what: str) -> int:
+        nbytes = 0
         for start in range(0, len(dest_block_ids), self.batch_blocks):
-            hashes = params.block_hashes[start : start + self.batch_blocks]
-            keys = [block_key(self.key_prefix, params.layout_hash, h) for h in hashes]
-            with self._redis_errors(f"pull of lease {params.lease_id!r}"):
+            hashes = block_hashes[start : start + self.batch_blocks]
+            keys = [block_key(self.key_prefix, layout_hash, h) for h in hashes]
+            with self._redis_errors(f"pull of {what}"):
                 values = await self.client.mget(keys)
             payloads = [
-                self._decode(start + i, keys[i], hashes[i], value, params) for i, value in enumerate(values)
+                self._decode(start + i, keys[i], hashes[i], value, layout_hash, what)
+                for i, value in enumerate(values)
             ]
             for block_id, payload in zip(dest_block_ids[start : start + self.batch_blocks], payloads):
                 self.pool.write_block(block_id, payload)
             self.stats.blocks_read += len(payloads)
             self.stats.bytes_read += sum(len(v) for v in values)
-            self.bytes_pulled += sum(len(v) for v in values)
+            nbytes += sum(len(v) for v in values)
+        return nbytes
 
     async def lookup_prefix(self, layout_hash: int, block_hashes: Sequence[int]) -> int:
         """How many leading blocks of the chain are stored (the prefix a puller would find)."""
-        num_present = 0
         with self._redis_errors("prefix lookup"):
-            for start in range(0, len(block_hashes), self.batch_blocks):
-                async with self.client.pipeline(transaction=False) as pipe:
-                    for h in block_hashes[start : start + self.batch_blocks]:
-                        pipe.exists(block_key(self.key_prefix, layout_hash, h))
-                    found = await pipe.execute()
-                for is_present in found:
-                    if not is_present:
-                        return num_present
-                    num_present += 1
-        return num_present
+            return await stored_prefix_length(self.client, self.key_prefix, layout_hash, block_hashes,
+                                              self.batch_blocks)
 
     def _encode(self, layout_hash: int, block_hash: int, block: memoryview) -> bytes:
         header = wire.encode_header(layout_hash, self.layout.block_nbytes, [block_hash], [block])
         return b"".join((header, block))
 
     def _decode(
-        self, index: int, key: str, block_hash: int, value: bytes | None, params: HandoffParams
+        self, index: int, key: str, block_hash: int, value: bytes | None, layout_hash: int, what: str
     ) -> memoryview:
-        where = f"KV block {index} of lease {params.lease_id!r} (key {key})"
+        where = f"KV block {index} of {what} (key {key})"
         if value is None:
             raise KVTransferError(f"{where} is missing from Redis at {self.safe_url}: expired or evicted")
         view = memoryview(value)
         try:
-            header = wire.decode_header(view, params.layout_hash, self.layout.block_nbytes, max_blocks=1)
+            header = wire.decode_header(view, layout_hash, self.layout.block_nbytes, max_blocks=1)
             if header.block_hashes != (block_hash,):
                 raise wire.WireError(f"value holds blocks {[f'{h:016x}' for h in header.block_hashes]}")
             payload = view[header.nbytes :]

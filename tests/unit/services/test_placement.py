@@ -238,7 +238,7 @@ def test_least_loaded_order(decode, expected):
 
 
 def test_registry():
-    assert sorted(POLICIES) == ["least_loaded", "round_robin", "slo_aware"]
+    assert sorted(POLICIES) == ["kv_aware", "least_loaded", "round_robin", "slo_aware"]
     assert PlacementConfig().policy == "slo_aware"
     with pytest.raises(ValidationError, match="unknown placement policy"):
         PlacementConfig(policy="random")

@@ -1,0 +1,71 @@
+"""The `kv_aware` placement policy: cache hits weighed against load.
+
+With a latency profile, each decode replica with room is ranked by the SLOs its predictions miss, then
+by its SLO-normalised latency `TTFT / TTFT SLO + TPOT / TPOT SLO`: TTFT is the earlier of a local
+prefill there (its queue, then the prompt less the prefix it holds, beside its running decodes) and
+the best prefill replica's; TPOT is its decode step with the request in the batch. A replica holding
+the prompt's prefix prefills less, so it wins until its queue and batch cost more than the hit
+saves: a hot replica is not buried. The rest (local or remote prefill, admission) is `slo_aware`'s.
+
+Without a profile: among the replicas whose load (running + waiting + pending requests) is within
+`kv_aware_load_slack` of the least loaded one, the one holding the longest prefix of the prompt
+(ties: the least loaded, the most free blocks, the replica id); the same on the prefill pool. Then the
+prompt-length rule decides local or remote prefill.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from pdserve.latency_model import LatencyProfile
+from pdserve.services.router.placement import (
+    Candidate, PlacementConfig, PlacementPolicy, PlacementRequest, ReplicaSnapshot,
+)
+from pdserve.services.router.prefix_index import leading_hits
+from pdserve.services.router.slo_aware import SloAware, _free, _Option
+
+
+class KvAware(SloAware):
+    name = "kv_aware"
+
+    def __init__(
+        self, config: PlacementConfig, profile: LatencyProfile | None = None, has_prefill_pool: bool = True,
+    ) -> None:
+        PlacementPolicy.__init__(self, config, profile, has_prefill_pool)
+        if profile is not None:
+            self.prefill_model = profile.for_role("prefill")
+            self.decode_model = profile.for_role("decode")
+
+    def choose(self, request, prefill, decode):
+        if self.profile is None:
+            return self._simple(request, self.by_affinity(request, prefill), self.by_affinity(request, decode))
+        return super().choose(request, prefill, decode)
+
+    def rank_decode(
+        self, request: PlacementRequest, roomy: Sequence[_Option], prefill: Sequence[ReplicaSnapshot]
+    ) -> list[tuple[float, _Option, Candidate]]:
+        remote = self._remote_scores(request, prefill) if prefill else []
+        earliest_remote = remote[0][0] if remote else math.inf
+        scored = []
+        for o in roomy:
+            tpot = self.tpot_s(request, o)
+            decodes = o.replica.num_running + o.replica.num_pending
+            chunk, _ = self.chunk_budget(request, o, self.decode_model, decodes)
+            ttft = min(self.prefill_s(request, o, self.decode_model, chunk, decodes), earliest_remote)
+            misses = (ttft > request.ttft_slo_s) + (tpot > request.tpot_slo_s)
+            cost = ttft / request.ttft_slo_s + tpot / request.tpot_slo_s
+            scored.append((misses, cost, -_free(o.replica), o.replica.replica_id, tpot, o))
+        scored.sort(key=lambda t: t[:4])
+        return [(tpot, o, Candidate(o.replica.replica_id, "decode", "slo_cost", cost))
+                for _, cost, _, _, tpot, o in scored]
+
+    def by_affinity(
+        self, request: PlacementRequest, replicas: Sequence[ReplicaSnapshot]
+    ) -> ReplicaSnapshot | None:
+        if not replicas:
+            return None
+        lightest = min(r.load for r in replicas)
+        near = [r for r in replicas if r.load <= lightest + self.config.kv_aware_load_slack]
+        return min(near, key=lambda r: (-leading_hits(request.block_hashes, r.prefix_hashes), r.load,
+                                        -(r.num_free_blocks - r.pending_blocks), r.replica_id))
