@@ -19,7 +19,8 @@ def _serve_parser() -> argparse.ArgumentParser:
                    "file or a Hugging Face checkpoint directory")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
     p.add_argument("--transport", choices=["ucx", "redis"])
-    p.add_argument("--redis-url", help="use this Redis; default: start a local one if a server binary exists")
+    p.add_argument("--redis-url", help="use this Redis (rediss:// for TLS; AUTH as redis://user:password@...); "
+                   "default: start a local one, with a generated password, if a server binary exists")
     p.add_argument("--prefill-replicas", type=int)
     p.add_argument("--decode-replicas", type=int)
     p.add_argument("--host", default="127.0.0.1")
@@ -58,6 +59,21 @@ def _config(args: argparse.Namespace, redis_url: str | None):
     return SystemConfig.model_validate(base)
 
 
+def _start_redis(args: argparse.Namespace):
+    """A local Redis with a generated AUTH password and the kvstore's settings, and its supervisor."""
+    from pdserve.redis_health import redis_settings
+    from pdserve.redis_server import RedisServer, RedisSupervisor, generate_password
+    from pdserve.services.app import SystemConfig
+    from pdserve.services.kvstore.config import KVStoreConfig
+
+    overrides = SystemConfig.from_yaml(args.config).kvstore if args.config else {}
+    kv = KVStoreConfig.model_validate(overrides)
+    server = RedisServer(password=generate_password(),
+                         settings=redis_settings(kv.maxmemory_bytes, kv.maxmemory_policy)).start()
+    supervisor = RedisSupervisor(server, report=lambda message: print(f"pdserve serve: {message}", flush=True))
+    return server, supervisor.start()
+
+
 def _ingress(args: argparse.Namespace, config) -> str:
     """The ingress mode to run, with Serve's settings for it put into this process's environment, which
     `ray.init` hands to every Ray worker."""
@@ -94,14 +110,15 @@ def serve_main(argv: list[str]) -> int:
     stop = threading.Event()  # Ctrl-C or SIGTERM, at any moment: start-up stops at its next step, then cleanup
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    redis = None
+    redis = supervisor = None
     ray_started = False
     try:
         import ray
         from ray import serve
         from ray.serve.config import gRPCOptions
 
-        from pdserve.redis_server import RedisServer, find_server_binary
+        from pdserve.redis_health import RedisSettingsError, redact_url
+        from pdserve.redis_server import find_server_binary
         from pdserve.services.app import build_system
         from pdserve.services.cpu_shares import Unschedulable, check_labels, fit_cpu_shares
         from pdserve.redis_server import free_port
@@ -110,9 +127,15 @@ def serve_main(argv: list[str]) -> int:
 
         redis_url = args.redis_url
         if redis_url is None and find_server_binary():
-            redis = RedisServer().start()
+            try:
+                redis, supervisor = _start_redis(args)
+            except (RedisSettingsError, RuntimeError) as exc:  # settings not kept, or the server would not start
+                print(f"pdserve serve: cannot start Redis: {exc}", file=sys.stderr, flush=True)
+                return 2
             redis_url = redis.url
-            print(f"started a local Redis for the KV store at {redis_url}", flush=True)
+            print(f"started a local Redis for the KV store at {redact_url(redis_url)} (AUTH with a generated "
+                  f"password; {', '.join(f'{k} {v}' for k, v in redis.settings.items()) or 'server defaults'}; "
+                  "restarted if it dies)", flush=True)
         elif redis_url is None:
             print("no Redis URL and no redis-server binary: running without the Redis tier", flush=True)
         config = _config(args, redis_url)
@@ -161,6 +184,8 @@ def serve_main(argv: list[str]) -> int:
             with contextlib.suppress(Exception):
                 serve.shutdown()
             ray.shutdown()
+        if supervisor is not None:
+            supervisor.stop()
         if redis is not None:
             redis.stop()
         print("pdserve serve: stopped", flush=True)

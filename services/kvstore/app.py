@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
+from pdserve.redis_health import RedisSettingsError
 from pdserve.services.kvstore.config import KVStoreConfig
 from pdserve.services.kvstore.store import KVStore, KVStoreUnavailable
+
+
+logger = logging.getLogger(__name__)
 
 
 @serve.deployment(name="kvstore", ray_actor_options={"num_cpus": 0})
@@ -28,6 +33,9 @@ class KVStoreDeployment:
                 self.is_policy_applied = True
             except KVStoreUnavailable:
                 pass
+            except RedisSettingsError as exc:  # permanent (CONFIG refused, a managed Redis): say so once
+                logger.error("%s; the kvstore runs with the server's own eviction settings", exc)
+                self.is_policy_applied = True
 
     async def lookup_prefix(self, layout_hash: int, block_hashes: list[int]) -> int:
         """Leading blocks of the chain present in the store; 0 when Redis is unreachable."""

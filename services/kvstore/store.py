@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from pdserve.kvcache.transports.redis import block_key, stored_prefix_length
+from pdserve.redis_health import apply_settings, redact_url, redis_settings
 from pdserve.services.kvstore.config import KVStoreConfig
 
 __all__ = ["KVStore", "KVStoreUnavailable", "block_key"]
@@ -32,11 +33,11 @@ class KVStore:
         self.num_hit_blocks = 0
 
     async def apply_policy(self) -> None:
+        """Sets maxmemory / maxmemory-policy and reads them back: RedisSettingsError if Redis refuses or does
+        not keep them, KVStoreUnavailable if it cannot be reached."""
+        settings = redis_settings(self.config.maxmemory_bytes, self.config.maxmemory_policy)
         try:
-            if self.config.maxmemory_bytes is not None:
-                await self.client.config_set("maxmemory", self.config.maxmemory_bytes)
-            if self.config.maxmemory_policy is not None:
-                await self.client.config_set("maxmemory-policy", self.config.maxmemory_policy)
+            await apply_settings(self.client, settings, redact_url(self.config.redis_url))
         except RedisError as exc:
             raise KVStoreUnavailable(self._explain(exc)) from exc
 

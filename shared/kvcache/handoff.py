@@ -5,6 +5,7 @@ A fallback is never silent: every one is counted by reason, and the caller prefi
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from dataclasses import dataclass
 
@@ -39,20 +40,43 @@ class ImportResult:
 
 
 class KVExporter:
-    """Prefill side: hands a finished prefill's leased blocks to the transport."""
+    """Prefill side: hands a finished prefill's leased blocks to the transport, and while the transport
+    holds exports, has it forget those whose lease the engine no longer holds (expired) every
+    `sweep_interval_s`."""
 
-    def __init__(self, engine: AsyncLLMEngine, transport: KVTransport) -> None:
+    def __init__(self, engine: AsyncLLMEngine, transport: KVTransport, sweep_interval_s: float = 1.0) -> None:
         self.engine = engine
         self.transport = transport
+        self.sweep_interval_s = sweep_interval_s
+        self._sweeper: asyncio.Task | None = None
 
     async def export(self, handoff: KVHandoff) -> HandoffParams:
         try:
-            return await self.transport.export(
+            params = await self.transport.export(
                 handoff.lease_id, list(handoff.block_ids), list(handoff.block_hashes), handoff.num_tokens
             )
         except Exception:
             await self.engine.release_lease(handoff.lease_id)
             raise
+        if self.transport.num_exports and (self._sweeper is None or self._sweeper.done()):
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        return params
+
+    def forget_expired(self) -> int:
+        """Forgets exports whose lease the engine no longer holds; returns how many."""
+        held = self.engine.engine.leases.leases  # membership reads only: safe beside a running step
+        return sum(self.transport.forget(lease_id) for lease_id in self.transport.exported_lease_ids()
+                   if lease_id not in held)
+
+    async def _sweep(self) -> None:
+        while self.transport.num_exports:
+            await asyncio.sleep(self.sweep_interval_s)
+            self.forget_expired()
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
 
 
 class KVImporter:

@@ -24,7 +24,9 @@ class KVTransport(ABC):
     Exporting side: `export(lease_id, block_ids, block_hashes, num_tokens)` makes the leased blocks
     available and returns HandoffParams; the transport calls `release(lease_id)` when the blocks
     may be freed (pulled and confirmed, or copied out to a store). Leases it never releases expire
-    in the engine.
+    in the engine, and the owner then `forget`s them here (as it does an aborted request's). A
+    transport that keeps exports serves each only to the holder of its HandoffParams (lease id and,
+    where it has one, the per-handoff secret).
 
     Importing side: `pull(params, dest_block_ids)` fills the given blocks (reserved, not yet
     visible to any sequence) and verifies them before returning. On any error it raises
@@ -52,6 +54,19 @@ class KVTransport(ABC):
 
     @abstractmethod
     async def pull(self, params: HandoffParams, dest_block_ids: list[int]) -> None: ...
+
+    def forget(self, lease_id: str) -> bool:
+        """Drop the export of `lease_id` (request aborted, lease expired): it can no longer be pulled.
+        True if there was one. Transports that hold nothing once `export` returns (redis) have none."""
+        return False
+
+    def exported_lease_ids(self) -> list[str]:
+        """Leases exported here and not yet pulled, released or forgotten."""
+        return []
+
+    @property
+    def num_exports(self) -> int:
+        return len(self.exported_lease_ids())
 
     def _check_pull(self, params: HandoffParams, dest_block_ids: list[int]) -> None:
         self.layout.check_compatible(params.layout_hash)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hmac
+import secrets
 from dataclasses import dataclass, field
 
 from pdserve.kvcache.layout import KVLayout
@@ -15,6 +17,7 @@ class _Export:
     pool: KVPoolIO
     block_ids: list[int]
     release: ReleaseFn | None
+    secret: str
 
 
 @dataclass
@@ -32,17 +35,27 @@ class LocalTransport(KVTransport):
         self.hub = hub or LocalHub()
 
     async def export(self, lease_id: str, block_ids: list[int], block_hashes: list[int], num_tokens: int) -> HandoffParams:
-        self.hub.exports[lease_id] = _Export(self.pool, list(block_ids), self.release)
-        return HandoffParams("local", self.layout.layout_hash, lease_id, num_tokens, tuple(block_ids), tuple(block_hashes))
+        secret = secrets.token_hex(16)
+        self.hub.exports[lease_id] = _Export(self.pool, list(block_ids), self.release, secret)
+        return HandoffParams("local", self.layout.layout_hash, lease_id, num_tokens, tuple(block_ids),
+                             tuple(block_hashes), secret=secret)
 
     def forget(self, lease_id: str) -> bool:
-        return self.hub.exports.pop(lease_id, None) is not None
+        export = self.hub.exports.get(lease_id)
+        if export is None or export.pool is not self.pool:
+            return False
+        del self.hub.exports[lease_id]
+        return True
+
+    def exported_lease_ids(self) -> list[str]:
+        return [lease_id for lease_id, export in self.hub.exports.items() if export.pool is self.pool]
 
     async def pull(self, params: HandoffParams, dest_block_ids: list[int]) -> None:
         self._check_pull(params, dest_block_ids)
-        export = self.hub.exports.pop(params.lease_id, None)
-        if export is None:
+        export = self.hub.exports.get(params.lease_id)
+        if export is None or not hmac.compare_digest(params.secret.encode(), export.secret.encode()):
             raise KVTransferError(f"no local export for lease {params.lease_id!r} (expired, aborted or pulled)")
+        del self.hub.exports[params.lease_id]
         if export.block_ids != list(params.block_ids):
             raise KVTransferError("handoff block ids do not match the export")
         for src, dst in zip(export.block_ids, dest_block_ids):

@@ -2,13 +2,17 @@
 
 One connection carries many pulls, one at a time (tag messages, matched in order):
 
-    importer -> REQUEST   <4s H H 32s I I>  b"PDKQ", version, flags 0, lease id (hex ascii), num_blocks, num_segments
+    importer -> REQUEST   <4s H H 32s 32s I I>  b"PDKQ", version, flags 0, lease id and handoff secret (hex ascii),
+                          num_blocks, num_segments
     importer -> SEGMENTS  num_segments x <I> run lengths; a segment is consecutive in both pools, so one message
     exporter -> STATUS    <4s H H I> b"PDKS", version, status, detail bytes; then the wire header's fixed prefix
     exporter -> DETAIL    the rest of the wire header (status OK) or a UTF-8 reason
     exporter -> PAYLOAD   one message per piece of a segment (at most _PIECE_BYTES), sent from the pool and
                           received into the pool (zero copy)
     importer -> ACK       b"\\x01" once the checksums verified; the exporter then releases the lease
+
+The exporter serves a lease only to a request carrying the handoff's secret (compared in constant time);
+a wrong or missing one gets the same refusal as an unknown lease, before any KV byte is sent.
 
 Each side posts a step's messages together (request with segments; status, header and every payload
 piece), so UCX moves them back to back; the importer verifies each piece while the next one lands.
@@ -17,8 +21,10 @@ piece), so UCX moves them back to back; the importer verifies each piece while t
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import re
+import secrets
 import struct
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -29,15 +35,17 @@ from pdserve.kvcache.layout import KVLayout, LayoutMismatch
 from pdserve.kvcache.params import HandoffParams
 from pdserve.kvcache.pool import KVPoolIO
 from pdserve.kvcache.transports.base import KVTransferError, KVTransport, ReleaseFn
-from pdserve.kvcache.transports.ucx_env import UCXConfig, apply_ucx_env, create_listener, ucx_context, ucx_error
+from pdserve.kvcache.transports.ucx_env import (
+    UCXConfig, admits, apply_ucx_env, create_listener, interface_addresses, ucx_context, ucx_error,
+)
 from pdserve.kvcache.transports.ucx_io import EndpointPool, OperationKeeper, PostedOps, dest_runs, runs_of, segments_of, span
 
 __all__ = ["UCXConfig", "UCXTransport", "apply_ucx_env"]
 
 logger = logging.getLogger(__name__)
 
-_VERSION = 1
-_REQUEST = struct.Struct("<4sHH32sII")
+_VERSION = 2
+_REQUEST = struct.Struct("<4sHH32s32sII")
 _STATUS = struct.Struct("<4sHHI")
 _WIRE_PREFIX = wire._HEAD.size  # the fixed part of the wire header that peek_num_blocks reads
 _OK, _UNKNOWN_LEASE, _BAD_REQUEST = 0, 1, 2
@@ -45,6 +53,8 @@ _MAX_DETAIL = 1024
 _ACK = b"\x01"
 _PIECE_BYTES = 32 << 20  # payload message size bound: the unit of verify/receive overlap
 _LEASE_ID = re.compile(r"[0-9a-f]{32}")
+_SECRET_NBYTES = 32  # hex ascii of 16 random bytes
+_NO_SECRET = bytes(_SECRET_NBYTES)
 T = TypeVar("T")
 
 
@@ -56,11 +66,13 @@ class _Refused(KVTransferError):
 class _Export:
     block_ids: tuple[int, ...]
     header: bytes  # wire header, checksums taken at export time
+    secret: bytes  # what a pull must present (HandoffParams.secret)
 
 
 class UCXTransport(KVTransport):
-    """Point-to-point pull over UCX. `host` is the address advertised in handoff params (the
-    listener binds every interface); `timeout_s` bounds every single network wait.
+    """Point-to-point pull over UCX. `host` is the address advertised in handoff params and the one
+    interface the listener admits connections on (see `create_listener`); `timeout_s` bounds every
+    single network wait.
 
     Checksums are taken at export, so blocks overwritten before the pull fail verification. An
     export stays until the importer's ack (then `release`) or `forget()`: a failed transfer
@@ -90,6 +102,9 @@ class UCXTransport(KVTransport):
         self._peers: dict[tuple[str, int], EndpointPool] = {}
         self._keeper = OperationKeeper(timeout_s)  # failed and abandoned UCX work, until UCX lets go of it
         self._closed = False
+        self.num_refused_pulls = 0  # unknown lease or wrong secret
+        self.num_refused_connections = 0  # came in on an interface other than `host`
+        self._admitted: frozenset[str] | None = None
 
     @property
     def num_exports(self) -> int:
@@ -104,6 +119,7 @@ class UCXTransport(KVTransport):
     async def start(self) -> None:
         if self._listener is None:
             ucxx = ucx_context.acquire(self)
+            self._admitted = interface_addresses(self.host)
             self._listener = create_listener(ucxx, self._serve, self.port, self.config.endpoint_error_handling)
             self.port = self._listener.port
 
@@ -117,19 +133,27 @@ class UCXTransport(KVTransport):
         if lease_id in self._exports or lease_id in self._serving:
             raise ValueError(f"lease {lease_id} is already exported")
         params = HandoffParams("ucx", self.layout.layout_hash, lease_id, num_tokens, tuple(block_ids),
-                               tuple(block_hashes), address=self.host, port=self.port)
+                               tuple(block_hashes), address=self.host, port=self.port, secret=secrets.token_hex(16))
         # the table holds one hash per block; a partial tail block has none (0) and is never compared
         hashes = list(params.block_hashes) + [0] * (len(block_ids) - len(block_hashes))
         blocks = self.pool.read_blocks(params.block_ids)  # also checks the ids
         header = wire.encode_header(self.layout.layout_hash, self.pool.block_nbytes, hashes, blocks)
-        self._exports[lease_id] = _Export(params.block_ids, header)
+        self._exports[lease_id] = _Export(params.block_ids, header, params.secret.encode("ascii"))
         return params
 
     def forget(self, lease_id: str) -> bool:
-        """Drop an export (request aborted); the caller releases the lease in its engine."""
+        """Drop an export (request aborted, lease expired); the caller releases the lease in its engine."""
         return (self._exports.pop(lease_id, None) or self._serving.pop(lease_id, None)) is not None
 
+    def exported_lease_ids(self) -> list[str]:
+        return [*self._exports, *self._serving]
+
     async def _serve(self, ep: Any) -> None:
+        if not admits(self._admitted, ep):
+            self.num_refused_connections += 1
+            logger.warning("UCX connection refused: it did not come in on %s", self.host)
+            ep.abort()
+            return
         task = asyncio.current_task()
         self._server_eps.add(ep)
         if task is not None:
@@ -149,28 +173,32 @@ class UCXTransport(KVTransport):
             ep.abort()
 
     async def _serve_one(self, ep: Any, request: bytearray) -> None:
-        magic, version, _, raw_lease, num_blocks, num_segments = _REQUEST.unpack(request)
+        magic, version, _, raw_lease, raw_secret, num_blocks, num_segments = _REQUEST.unpack(request)
         if magic != b"PDKQ" or version != _VERSION:
             raise wire.WireError(f"bad KV pull request (magic {bytes(magic)!r}, version {version})")
         if not 0 < num_segments <= num_blocks <= wire.DEFAULT_MAX_BLOCKS:
             raise wire.WireError(f"bad KV pull request: {num_segments} segments for {num_blocks} blocks")
         ops = PostedOps(ep)
         try:
-            await self._serve_pull(ops, raw_lease.decode("ascii", "replace"), num_blocks, num_segments)
+            await self._serve_pull(ops, raw_lease.decode("ascii", "replace"), raw_secret, num_blocks, num_segments)
         except BaseException:
             await self._keeper.settle(ops)
             raise
 
     async def _serve_pull(
-        self, ops: PostedOps, lease_id: str, num_blocks: int, num_segments: int
+        self, ops: PostedOps, lease_id: str, secret: bytes, num_blocks: int, num_segments: int
     ) -> None:
         ep = ops.ep
         raw_lengths = bytearray(4 * num_segments)
         await self._step(ops.wait(ops.post(ep.recv(raw_lengths))), "receive the pull segments", "importer")
         lengths = list(struct.unpack(f"<{num_segments}I", raw_lengths))
-        export = self._exports.pop(lease_id, None)
-        if export is None:
+        export = self._exports.get(lease_id)
+        # one answer for unknown, busy and wrong secret: a peer learns nothing about leases it was not handed
+        is_handed = hmac.compare_digest(secret, export.secret if export is not None else _NO_SECRET)
+        if export is None or not is_handed:
+            self.num_refused_pulls += 1
             return await self._refuse(ops, _UNKNOWN_LEASE, f"unknown, expired or busy lease {lease_id}")
+        del self._exports[lease_id]
         runs = runs_of(export.block_ids, lengths)
         if runs is None or len(export.block_ids) != num_blocks:
             self._exports[lease_id] = export
@@ -210,6 +238,8 @@ class UCXTransport(KVTransport):
             raise ValueError(f"not a UCX handoff with a peer address: {params}")
         if not _LEASE_ID.fullmatch(params.lease_id):
             raise ValueError(f"lease id {params.lease_id!r} is not 32 lowercase hex digits")
+        if len(params.secret) > _SECRET_NBYTES or not params.secret.isascii():
+            raise ValueError(f"a handoff secret is at most {_SECRET_NBYTES} ascii characters")
         if len(set(dest_block_ids)) != len(dest_block_ids):
             raise ValueError(f"duplicate destination blocks {dest_block_ids}")
         for b in dest_block_ids:
@@ -273,7 +303,8 @@ class UCXTransport(KVTransport):
     ) -> bool:
         ep = ops.ep
         lease = params.lease_id
-        request = _REQUEST.pack(b"PDKQ", _VERSION, 0, lease.encode("ascii"), len(dest_block_ids), len(segments))
+        request = _REQUEST.pack(b"PDKQ", _VERSION, 0, lease.encode("ascii"), params.secret.encode("ascii"),
+                                len(dest_block_ids), len(segments))
         lengths = struct.pack(f"<{len(segments)}I", *(count for _, count in segments))
         status_buf = bytearray(_STATUS.size + _WIRE_PREFIX)
         await self._step(ops.wait(ops.post(ep.send(request)), ops.post(ep.send(lengths)), ops.post(ep.recv(status_buf))),
