@@ -110,7 +110,9 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         assert self.proc is None, "server already running"
-        args = [self.binary, "--save", "", "--appendonly", "no", "--bind", "127.0.0.1", "--dir", str(self.workdir)]
+        # "-": the rest of the config from stdin, where the password goes (never on the command line, which
+        # every local user can read)
+        args = [self.binary, "-", "--save", "", "--appendonly", "no", "--bind", "127.0.0.1", "--dir", str(self.workdir)]
         if self.tls is None:
             args += ["--port", str(self.port)]
         else:
@@ -119,11 +121,16 @@ class RedisServer:
                      "--tls-auth-clients", "no"]
         for name, value in self.settings.items():
             args += [f"--{name}", value]
+        stdin = ""
         if self.password:
-            args += ["--requirepass", self.password]  # last: a password never shows in an error about the others
+            quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+            stdin = f'requirepass "{quoted}"\n'
         log = open(self.log_file, "ab")  # noqa: SIM115 - owned by the child
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                     preexec_fn=_die_with_parent)
         log.close()
+        self.proc.stdin.write(stdin.encode())
+        self.proc.stdin.close()
         self._wait_ready()
         if self.settings:
             with self.client() as client:
