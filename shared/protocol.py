@@ -11,11 +11,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
-    StrictInt,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -30,8 +30,24 @@ MAX_STOP = 8
 MAX_PROMPTS = 64  # prompts in one completions request (the router also bounds prompts x n)
 MAX_LOGIT_BIAS = 300  # entries in logit_bias
 MAX_INT32 = 2**31 - 1  # token ids and top_k: what the gRPC API's fields hold, and well within the worker codec's range
-# numbers and flags are strict, as the OpenAPI document types them: true is not 1, 1 is not true, "1" is neither
-TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_INT32)]
+
+
+def _not_bool_or_str(value: Any) -> Any:
+    if isinstance(value, (bool, str)):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
+
+
+# numbers and flags are what the OpenAPI document types them: true is not 1, 1 is not true, "1" is neither;
+# an integer may be written 2.0 (JSON Schema's integer), not 2.5. (Bounds before the validator, so that they
+# reach the JSON schema as minimum/maximum.)
+_INT = BeforeValidator(_not_bool_or_str)
+PositiveInt = Annotated[int, Field(ge=1), _INT]
+NonNegativeInt = Annotated[int, Field(ge=0), _INT]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32), _INT]
+NumLogprobs = Annotated[int, Field(ge=0, le=20), _INT]
+Text = Annotated[str, Field(min_length=1)]
+Tokens = Annotated[list[TokenId], Field(min_length=1)]
 
 
 def has_lone_surrogates(value: Any) -> bool:
@@ -70,8 +86,9 @@ class SLOOverride(BaseModel):
     """pdserve extension: this request's own SLOs (over the router's defaults)."""
 
     model_config = ConfigDict(extra="forbid")
-    ttft_ms: StrictFloat | None = Field(None, gt=0, le=3_600_000)
-    tpot_ms: StrictFloat | None = Field(None, gt=0, le=60_000)
+    # at least a millisecond: a smaller one would underflow to a zero SLO in seconds
+    ttft_ms: StrictFloat | None = Field(None, ge=1, le=3_600_000)
+    tpot_ms: StrictFloat | None = Field(None, ge=1, le=60_000)
 
 
 class _SamplingFields(BaseModel):
@@ -79,24 +96,24 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, min_length=1, max_length=256)  # None: the served model (as vLLM does)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
-    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    n: Annotated[int, Field(ge=1, le=MAX_N), _INT] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1), _INT] | None = None
     presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = Field(None, max_length=256)
     # vLLM-style extensions
-    top_k: StrictInt = Field(0, ge=-1, le=MAX_INT32)  # over the vocabulary: all of it
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT32), _INT] = 0  # over the vocabulary: all of it
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: StrictFloat = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = Field(0, ge=0)
+    min_tokens: NonNegativeInt = 0
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     # token id (a decimal string, as OpenAI's JSON keys are) -> bias added to its logit
     logit_bias: dict[str, StrictFloat] | None = Field(None, max_length=MAX_LOGIT_BIAS)
@@ -164,35 +181,35 @@ class _SamplingFields(BaseModel):
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
 
-Prompt = str | list[TokenId] | list[str] | list[list[TokenId]]
+Prompt = (Text | Tokens | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+          | Annotated[list[Tokens], Field(min_length=1, max_length=MAX_PROMPTS)])
+PROMPT_ERRORS = {  # the first of these error types among the prompt's (one union member's each) explains it
+    "string_too_short": "prompt must not be empty (nor any prompt in a batch)",
+    "too_short": "prompt must not be empty (nor any prompt in a batch)",
+    "too_long": f"at most {MAX_PROMPTS} prompts per request",
+    "greater_than_equal": "prompt token ids must be non-negative",
+    "less_than_equal": f"prompt token ids must be at most {MAX_INT32}",
+}
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt = Field(..., description="a string, token ids, or a batch of either (choice index = "
                            "prompt index * n + j)")
-    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    logprobs: NumLogprobs | None = None
     echo: StrictBool = False
     suffix: str | None = None
-    best_of: StrictInt | None = Field(None, ge=1)
+    best_of: PositiveInt | None = None
 
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _check_prompt(cls, value, handler):
         try:
-            value = handler(value)
+            return handler(value)
         except ValidationError as exc:
-            if any(e["type"] == "greater_than_equal" for e in exc.errors()):
-                raise PydanticCustomError("prompt", "prompt token ids must be non-negative") from None
-            raise PydanticCustomError(
-                "prompt", "prompt must be a string, a list of token ids, a list of strings or a list of "
-                "token-id lists") from None
-        prompts = value if isinstance(value, list) and value and not isinstance(value[0], int) else [value]
-        if not value or any(not p for p in prompts):
-            raise PydanticCustomError("prompt", "prompt must not be empty (nor any prompt in a batch)")
-        if len(prompts) > MAX_PROMPTS:
-            raise PydanticCustomError("prompt", "at most {max} prompts per request, got {num}",
-                                      {"max": MAX_PROMPTS, "num": len(prompts)})
-        return value
+            types = {e["type"] for e in exc.errors()}
+            message = next((m for t, m in PROMPT_ERRORS.items() if t in types), "prompt must be a string, a list of "
+                           "token ids, a list of strings or a list of token-id lists")
+            raise PydanticCustomError("prompt", message) from None
 
     @field_validator("suffix")
     @classmethod
@@ -258,7 +275,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    top_logprobs: NumLogprobs | None = None
     # accepted so that clients sending their defaults work; anything that asks for them is refused
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -30,6 +30,8 @@ GET_RESPONSES: dict[str, dict[str, str]] = {
     "/v1/models": {"401": "missing or wrong API key"},
 }
 TEXT = {"schema": {"type": "string"}}
+# a stream's schema describes each server-sent event: its data is a JSON chunk, or [DONE] at the end
+EVENTS = {"schema": {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
@@ -57,7 +59,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
             "application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}
         operation.setdefault("responses", {}).update({"200": {
             "description": "the response object; with stream: true, server-sent chunks ending with data: [DONE]",
-            "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": TEXT}}})
+            "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": EVENTS}}})
         operation["responses"].update({
             str(status): {"description": text, **error}
             for status, text in ((400, "invalid request"), (401, "missing or wrong API key"),

@@ -50,14 +50,33 @@ def test_numbers_and_flags_are_strict(field, value):
     assert error["param"] == field
 
 
+def test_an_integer_may_be_written_as_a_whole_float():
+    req = CompletionRequest.model_validate({"prompt": [1.0, 2], "max_tokens": 4.0, "n": 2.0, "stop_token_ids": [3.0]})
+    assert req.prompt == [1, 2] and req.max_tokens == 4 and req.n == 2 and req.stop_token_ids == [3]
+    assert all(type(v) is int for v in (*req.prompt, req.max_tokens, req.n))
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"prompt": ""}, "prompt must not be empty"), ({"prompt": []}, "prompt must not be empty"),
+    ({"prompt": ["a", ""]}, "prompt must not be empty"), ({"prompt": [[1], []]}, "prompt must not be empty"),
+    ({"prompt": ["a"] * 65}, "at most 64 prompts"), ({"prompt": [1, -1]}, "non-negative"),
+    ({"prompt": [["a"], 1]}, "prompt must be a string, a list of token ids"),
+])
+def test_prompt_errors_say_what_is_wrong(body, message):
+    error = _rejected(CompletionRequest, body)
+    assert error["param"] == "prompt" and message in error["message"]
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": [True, False]}, "prompt"),
     ({"prompt": [1, -2]}, "prompt"),
     ({"prompt": [[1], [2**31]]}, "prompt"),
     ({"prompt": "ok", "stop_token_ids": [2**64]}, "stop_token_ids.0"),
     ({"prompt": "ok", "top_k": 24662892082434629991137280}, "top_k"),
+    ({"prompt": "ok", "slo": {"ttft_ms": 5e-324}}, "slo.ttft_ms"),  # 0 s once in seconds: the placer refused it
+    ({"prompt": "ok", "slo": {"tpot_ms": 0.5}}, "slo.tpot_ms"),
 ])
-def test_token_ids_and_top_k_fit_the_wire(body, param):
+def test_values_the_router_cannot_carry_are_refused(body, param):
     assert _rejected(CompletionRequest, body)["param"] == param
 
 
@@ -66,3 +85,12 @@ def test_validator_messages_carry_no_pydantic_prefix():
     assert error["message"] == "stop: at most 8 non-empty strings of at most 256 characters"
     error = _rejected(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
     assert error["message"] == "top_logprobs requires logprobs to be true"
+
+
+def test_the_json_schema_carries_every_bound():
+    """The OpenAPI document (and so schemathesis, and clients) sees each bound as JSON Schema."""
+    for model in (CompletionRequest, ChatCompletionRequest):
+        text = json.dumps(model.model_json_schema())
+        assert not any(f'"{key}":' in text for key in ("ge", "le", "gt", "lt")), text
+    prompt = json.dumps(CompletionRequest.model_json_schema()["properties"]["prompt"])
+    assert '"minItems": 1' in prompt and '"minLength": 1' in prompt and '"minimum": 0' in prompt
