@@ -3,8 +3,8 @@ Placement.
 
 The prompt is hashed once, with the replicas' block size, when any replica's pool is known (the prefix
 index, fed by the replicas' KV events) or a kvstore is bound. The kvstore (the Redis tier's index) is
-asked only when the best replica holds less than the whole chain; a lookup that fails or takes longer
-than `kvstore_timeout_s` is a miss. After the policy has chosen, the replica that prefills is told how
+asked unless every replica holds the whole chain; a lookup that fails or takes longer than
+`kvstore_timeout_s` is a miss. After the policy has chosen, the replica that prefills is told how
 many leading blocks to pull from the Redis tier (`prefix_pull_blocks`): those the tier has beyond its
 own pool, when the latency model predicts the pull faster than the prefill (without a profile, always).
 
@@ -88,8 +88,8 @@ class Placer:
         replicas = (*prefill, *decode)
         if decode and (self.kvstore is not None or any(s.prefix_hashes is not None for s in replicas)):
             hashes = prompt_block_hashes(prompt_token_ids, decode[0].block_size)
-            best_local = max((leading_hits(hashes, s.prefix_hashes) for s in replicas), default=0)
-            stored = await self._stored_blocks(hashes) if best_local < len(hashes) else 0
+            least_held = min(leading_hits(hashes, s.prefix_hashes) for s in replicas)
+            stored = await self._stored_blocks(hashes) if least_held < len(hashes) else 0
             request = dataclasses.replace(request, block_hashes=hashes,
                                           kvstore_hit_tokens=stored * decode[0].block_size)
         result = self.policy.place(request, prefill, decode)
