@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pydantic import ValidationError
+
+logger = logging.getLogger(__name__)
+INTERNAL_MESSAGE = "internal error; the request id (X-Request-Id) finds it in the server's logs"
 
 _TYPES = {
     400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -48,3 +52,16 @@ def from_validation_error(exc: ValidationError) -> APIError:
 
 def bad_request(message: str, param: str | None = None, reason: str = "invalid_request") -> APIError:
     return APIError(400, message, param=param, code="invalid_value", reason=reason)
+
+
+def install_error_handlers(app) -> None:
+    """An exception no handler turned into an APIError still answers with an OpenAI error body (a 500 with a
+    stable message), not a plain-text traceback page; what it was goes to the log only."""
+    from fastapi.responses import JSONResponse
+
+    async def unexpected(request, exc: Exception) -> JSONResponse:
+        request_id = getattr(request.state, "request_id", None)
+        logger.error("unhandled error in request %s: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
+        return JSONResponse(error_body(INTERNAL_MESSAGE, "internal_error", code="internal_error"), status_code=500)
+
+    app.add_exception_handler(Exception, unexpected)

@@ -134,6 +134,9 @@ class GrpcServiceMixin:
             prepared, meta, events = await self._start(body, chat, request_id, parent)
         except APIError as err:
             raise self._grpc_reject(err, "grpc_generate", grpc_context, request_id) from None
+        except Exception as exc:  # a bug, not the client's: logged, and the client gets a stable message
+            err = upstream_error(exc, self.config.retry_after_s)
+            raise self._grpc_reject(err, "grpc_generate", grpc_context, request_id) from None
         num_tokens = 0
         status = "200"  # counted when the stream ends: a failure after the first message has a label of its own
         # one message per choice per batch: whatever arrived while the previous message was on its way

@@ -101,8 +101,10 @@ class FakeRouter(GrpcServiceMixin):
         self.started = []
         self.events = events
 
-    def _start(self, data, chat, request_id, parent=None):
+    async def _start(self, data, chat, request_id, parent=None):
         self.started.append((data, chat, request_id))
+        if isinstance(self.events, Exception):
+            raise self.events
         prepared = SimpleNamespace(want_logprobs=False, include_usage=True, prompt_token_ids=[1, 2, 3])
         return prepared, oa.ResponseMeta("cmpl-" + request_id, "tiny", chat), self.events
 
@@ -165,6 +167,15 @@ def test_rejections_set_the_status_before_raising():
     context = FakeContext([("authorization", "Bearer sk-1")])
     asyncio.run(_collect(router.Generate(build_request("tiny", "hi"), grpc_context=context)))
     assert router.started and len(router.started[0][2]) == 32  # a fresh id without x-request-id
+
+
+def test_an_unexpected_admission_failure_is_internal_with_a_clean_message():
+    context = FakeContext([("x-request-id", "r-9")])
+    with pytest.raises(RuntimeError) as info:
+        asyncio.run(_collect(FakeRouter(ValueError("SLOs must be positive")).Generate(
+            build_request("tiny", "hi"), grpc_context=context)))
+    assert context.code == grpc.StatusCode.INTERNAL
+    assert context.details == str(info.value) == "generation failed (request id r-9)"
 
 
 def test_failure_mid_stream_is_internal_and_closes():
