@@ -26,7 +26,7 @@ from pdserve.services.router.admission import (
 )
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch import DispatchMixin, prediction_attributes
-from pdserve.services.router.errors import APIError, error_body
+from pdserve.services.router.errors import APIError, error_body, install_error_handlers
 from pdserve.services.router.grpc_api import GrpcServiceMixin
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
@@ -68,6 +68,7 @@ class RequestIdMiddleware:
 fastapi_app = FastAPI(title="pdserve router", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
 fastapi_app.add_middleware(RequestIdMiddleware)
 install_openapi(fastapi_app)
+install_error_handlers(fastapi_app)  # an unexpected exception: an OpenAI 500, not a plain-text page
 
 
 @fastapi_app.exception_handler(StarletteHTTPException)
