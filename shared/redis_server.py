@@ -95,7 +95,7 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
         if self.tls is None:
             return f"redis://{auth}127.0.0.1:{self.port}/0"
         return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={quote(str(self.tls.ca_file), safe='/')}"
