@@ -1,6 +1,6 @@
 """KV access control over real UCX endpoints on loopback: only the holder of a handoff's params (lease id
-and per-handoff secret) can pull its blocks, and the exporter serves only connections that came in on
-its configured host."""
+and per-handoff secret) can pull its blocks. (The listener listens on every interface: ucxx 0.52 has no
+bind address, and filtering by ucp_ep_query segfaulted UCX; see ucx_env.create_listener.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPoolIO
 from pdserve.kvcache.transports import KVTransferError
 from pdserve.kvcache.transports.ucx import UCXConfig, UCXTransport, apply_ucx_env
-from pdserve.kvcache.transports.ucx_env import interface_addresses
 
 apply_ucx_env(UCXConfig())  # before libucx loads
 ucxx = pytest.importorskip("ucxx")
@@ -111,32 +110,6 @@ def test_a_lease_id_alone_is_not_enough_even_for_a_second_try():
     asyncio.run(main())
 
 
-@ERROR_HANDLING
-def test_connections_on_another_address_are_refused(error_handling):
-    # configured for 127.0.0.2, connected to on 127.0.0.1 (both loopback, but not the same address): the
-    # connection is dropped before anything is read from it
-    async def main():
-        exporter, importer, released = await _pair(error_handling, host="127.0.0.2")
-        try:
-            params = await _export(exporter)
-            assert (params.address, params.port) == ("127.0.0.2", exporter.port)
-            before = importer.pool.kv_pool.clone()
-            with pytest.raises(KVTransferError):
-                await importer.pull(dataclasses.replace(params, address="127.0.0.1"), DST_IDS)
-            await _until(lambda: exporter.num_refused_connections == 1)
-            assert exporter.num_refused_pulls == 0 and importer.bytes_pulled == 0
-            # a failed pull (not a refusal) zeroes its destination blocks; nothing else changed
-            assert not importer.pool.kv_pool[DST_IDS].any()
-            untouched = [b for b in range(NUM_BLOCKS) if b not in DST_IDS]
-            assert torch.equal(importer.pool.kv_pool[untouched], before[untouched])
-            assert exporter.exported_lease_ids() == [params.lease_id] and released == []
-        finally:
-            await importer.close()
-            await exporter.close()
-
-    asyncio.run(main())
-
-
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"], ids=["configured", "wildcard"])
 def test_connections_on_the_configured_address_are_served(host):
     async def main():
@@ -144,16 +117,9 @@ def test_connections_on_the_configured_address_are_served(host):
         try:
             params = await _export(exporter)
             await importer.pull(dataclasses.replace(params, address="127.0.0.1"), DST_IDS)
-            assert exporter.num_refused_connections == 0
             assert torch.equal(importer.pool.kv_pool[DST_IDS], exporter.pool.kv_pool[SRC_IDS])
         finally:
             await importer.close()
             await exporter.close()
 
     asyncio.run(main())
-
-
-def test_interface_addresses():
-    assert interface_addresses("0.0.0.0") is None and interface_addresses("::") is None
-    assert interface_addresses("127.0.0.1") == frozenset({"127.0.0.1"})
-    assert "127.0.0.1" in interface_addresses("localhost") or "::1" in interface_addresses("localhost")

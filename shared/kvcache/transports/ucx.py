@@ -36,7 +36,7 @@ from pdserve.kvcache.params import HandoffParams
 from pdserve.kvcache.pool import KVPoolIO
 from pdserve.kvcache.transports.base import KVTransferError, KVTransport, ReleaseFn
 from pdserve.kvcache.transports.ucx_env import (
-    UCXConfig, admits, apply_ucx_env, create_listener, interface_addresses, ucx_context, ucx_error,
+    UCXConfig, apply_ucx_env, create_listener, ucx_context, ucx_error,
 )
 from pdserve.kvcache.transports.ucx_io import EndpointPool, OperationKeeper, PostedOps, dest_runs, runs_of, segments_of, span
 
@@ -70,9 +70,8 @@ class _Export:
 
 
 class UCXTransport(KVTransport):
-    """Point-to-point pull over UCX. `host` is the address advertised in handoff params and the one
-    interface the listener admits connections on (see `create_listener`); `timeout_s` bounds every
-    single network wait.
+    """Point-to-point pull over UCX. `host` is the address advertised in handoff params (the listener
+    itself listens on every interface; see `create_listener`); `timeout_s` bounds every single network wait.
 
     Checksums are taken at export, so blocks overwritten before the pull fail verification. An
     export stays until the importer's ack (then `release`) or `forget()`: a failed transfer
@@ -103,8 +102,6 @@ class UCXTransport(KVTransport):
         self._keeper = OperationKeeper(timeout_s)  # failed and abandoned UCX work, until UCX lets go of it
         self._closed = False
         self.num_refused_pulls = 0  # unknown lease or wrong secret
-        self.num_refused_connections = 0  # came in on an interface other than `host`
-        self._admitted: frozenset[str] | None = None
 
     @property
     def num_exports(self) -> int:
@@ -119,7 +116,6 @@ class UCXTransport(KVTransport):
     async def start(self) -> None:
         if self._listener is None:
             ucxx = ucx_context.acquire(self)
-            self._admitted = interface_addresses(self.host)
             self._listener = create_listener(ucxx, self._serve, self.port, self.config.endpoint_error_handling)
             self.port = self._listener.port
 
@@ -149,11 +145,6 @@ class UCXTransport(KVTransport):
         return [*self._exports, *self._serving]
 
     async def _serve(self, ep: Any) -> None:
-        if not admits(self._admitted, ep):
-            self.num_refused_connections += 1
-            logger.warning("UCX connection refused: it did not come in on %s", self.host)
-            ep.abort()
-            return
         task = asyncio.current_task()
         self._server_eps.add(ep)
         if task is not None:

@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ipaddress
 import logging
 import os
-import socket
-import struct
 import weakref
-from functools import cache
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,7 +132,9 @@ def create_listener(ucxx: Any, handler: Any, port: int, endpoint_error_handling:
     internals, checked against 0.52).
 
     The socket listens on every interface: ucxx 0.52's Python API has no bind address (its C++
-    ListenerBuilder::host is not exposed), so the handler checks `admits` before reading anything."""
+    ListenerBuilder::host is not exposed). Reading an accepted endpoint's local address with
+    ucp_ep_query to drop other interfaces segfaulted UCX (on a fresh endpoint, and on one whose peer had
+    gone), so nothing filters by interface: a pull needs the lease id and its secret (HandoffParams)."""
     if endpoint_error_handling:
         return ucxx.create_listener(handler, port=port)
     import ucxx._lib.libucxx as ucx_api
@@ -168,57 +165,3 @@ def ucx_error() -> type[Exception]:
     from ucxx.exceptions import UCXError
 
     return UCXError
-
-
-WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
-_EP_ATTR_FIELD_LOCAL_SOCKADDR = 1 << 1
-_EP_ATTR_LOCAL_SOCKADDR_OFFSET = 8 + 32  # ucp_ep_attr_t: field_mask, name[UCP_ENTITY_NAME_MAX], local_sockaddr
-
-
-@cache
-def _libucp() -> Any:
-    import libucx
-
-    libucx.load_library()
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0"))
-    lib.ucp_ep_query.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    lib.ucp_ep_query.restype = ctypes.c_int
-    return lib
-
-
-def local_address(ep: Any) -> str | None:
-    """The local IP address a UCX endpoint's connection came in on (ucp_ep_query), None if UCX cannot say."""
-    attr = ctypes.create_string_buffer(1024)  # larger than ucp_ep_attr_t (~330 bytes in UCX 1.21)
-    struct.pack_into("<Q", attr, 0, _EP_ATTR_FIELD_LOCAL_SOCKADDR)
-    if _libucp().ucp_ep_query(ctypes.c_void_p(ep.ucp_endpoint), attr) != 0:
-        return None
-    raw, off = attr.raw, _EP_ATTR_LOCAL_SOCKADDR_OFFSET
-    family = struct.unpack_from("<H", raw, off)[0]
-    if family == socket.AF_INET:
-        return socket.inet_ntop(socket.AF_INET, raw[off + 4 : off + 8])
-    if family == socket.AF_INET6:
-        return socket.inet_ntop(socket.AF_INET6, raw[off + 8 : off + 24])
-    return None
-
-
-def interface_addresses(host: str) -> frozenset[str] | None:
-    """The IP addresses `host` names (None: a wildcard, every interface)."""
-    if host in WILDCARD_HOSTS:
-        return None
-    infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    return frozenset(_normal(info[4][0]) for info in infos)
-
-
-def admits(addresses: frozenset[str] | None, ep: Any) -> bool:
-    """Whether a connection accepted on `ep` came in on one of `addresses` (None: any). Stands in for
-    binding the listener to one interface, which ucxx 0.52 cannot do."""
-    if addresses is None:
-        return True
-    local = local_address(ep)
-    return local is not None and _normal(local) in addresses
-
-
-def _normal(address: str) -> str:
-    ip = ipaddress.ip_address(address.split("%")[0])
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return str(mapped or ip)
