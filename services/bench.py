@@ -183,8 +183,9 @@ def _routed(
     ports = range(direct_port, direct_port + 3)  # direct ingress: a port per app deployed at once
     os.environ.update(serve_env(ingress, direct_port, None, grpc_handles, len(ports), worker_niceness))
     streaming = streaming or {}
-    worker = {"num_cpus": 1, "num_blocks": 512, **streaming}
-    router_streaming = {k: v for k, v in streaming.items() if k in ("stream_coalesce", "stream_interval_ms")}
+    worker = {"num_cpus": 1, "num_blocks": 512, **{k: v for k, v in streaming.items() if k != "worker_link"}}
+    router_streaming = {k: v for k, v in streaming.items() if k in ("stream_coalesce", "stream_interval_ms",
+                                                                     "worker_link")}
     ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False,
              runtime_env={"env_vars": env} if env else None)
     try:
@@ -323,6 +324,8 @@ def main(argv: list[str]) -> int:
                    help="workers run user code and the handle router on their event loop (SERVE_LATENCY_ENV)")
     p.add_argument("--ingress", choices=["direct", "proxy"], default="direct",
                    help="how HTTP reaches the router (pdserve serve's default: direct)")
+    p.add_argument("--no-worker-link", action="store_true",
+                   help="router -> worker calls through Serve handles, not the worker link (attribution)")
     p.add_argument("--no-grpc-handles", action="store_true",
                    help="deployments call each other as Ray actor calls, not Serve's gRPC (attribution)")
     p.add_argument("--worker-niceness", type=int, default=0,
@@ -332,7 +335,8 @@ def main(argv: list[str]) -> int:
                         "them (at concurrency 16 alternating paths split the CPU, so E2E compares CPU shares)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    streaming: dict[str, Any] = {"stream_coalesce": not args.no_coalesce, "stream_interval_ms": args.stream_interval_ms}
+    streaming: dict[str, Any] = {"stream_coalesce": not args.no_coalesce, "stream_interval_ms": args.stream_interval_ms,
+                                 "worker_link": not args.no_worker_link}
     if args.serve_latency_env:
         from pdserve.worker import SERVE_LATENCY_ENV
 

@@ -1,31 +1,53 @@
-"""What prefill and decode replicas both answer: engine stats, metrics snapshots, routing stats."""
+"""What prefill and decode replicas both answer: engine stats, metrics snapshots, routing stats, and
+the worker link (pdserve.worklink), whose address the routing stats publish."""
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from typing import Any
 
 from pdserve import trace_attributes as ta
 from pdserve.contract import WorkerRequest
 from pdserve.kvcache.handoff import engine_layout
 from pdserve.kvcache.prefix_pull import PrefixPull, PrefixPuller
+from pdserve.kvcache.transports.base import KVTransport
+from pdserve.worklink import LinkServer
 
 
 class WorkerEndpoints:
-    """Mixin over a deployment's `engine` (AsyncLLMEngine) and `telemetry` (pdserve.telemetry.Telemetry)."""
+    """Mixin over a deployment's `config` (WorkerConfig), `engine` (AsyncLLMEngine) and `telemetry`
+    (pdserve.telemetry.Telemetry); `link_server()` says which calls its link serves."""
+
+    link: LinkServer | None = None
+    link_token = ""
+
+    def link_server(self) -> LinkServer:
+        raise NotImplementedError
 
     prefix_puller: PrefixPuller | None = None  # the Redis tier, when the KV transport is redis
+    transport: KVTransport | None = None  # the KV handoff's transport
 
     def stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.stats())
 
     def metrics_snapshot(self, target: dict[str, Any] | None = None) -> dict[str, Any]:
         """`target` ({"replica": id}) only steers the call to this replica; see PlacementRequestRouter."""
+        metrics = self.telemetry.metrics
+        metrics.set_kv_leases("held", len(self.engine.engine.leases))
+        metrics.set_kv_leases("exported", self.transport.num_exports if self.transport is not None else 0)
         return self.telemetry.worker_snapshot(self.engine.stats())
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        """Polled by the router (and Serve) for placement: EngineStats plus this replica's id."""
-        return {**dataclasses.asdict(self.engine.stats()), "replica": self.telemetry.replica}
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Polled by the router (and Serve) for placement: EngineStats, this replica's id, and its link's
+        address and token (the link starts on the first poll, on the replica's event loop). The token
+        travels only in these replies, over Ray's own authenticated channels."""
+        if self.link is None:
+            self.link_token = secrets.token_urlsafe(32)
+            self.link = self.link_server()
+        address = await self.link.start(self.config.resolved_ucx_host())
+        return {**dataclasses.asdict(self.engine.stats()), "replica": self.telemetry.replica, "link": address,
+                "link_token": self.link_token}
 
     def kv_events(self, target: dict[str, Any]) -> dict[str, Any]:
         """The pool's prefix-cache events after the router's cursor (`target["cursor"]`: [epoch, seq]), or

@@ -83,14 +83,24 @@ class WorkerRequest:
     # leading prompt blocks to take from the Redis tier where the worker's pool misses them (placement found
     # them there and predicts the pull faster than the prefill); 0: none
     prefix_pull_blocks: int = 0
+    # seeded noise draws this request already made on another engine (a migrated stream skips them, so
+    # it continues the seeded sequence); 0: a fresh start
+    rng_offset: int = 0
+    # trailing prompt tokens that are this request's own output, already sent (a migrated stream): they
+    # count as output for penalties and the detokenizer replays them, so text continues exactly
+    num_resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        if not 0 <= self.num_resumed_tokens < len(self.prompt_token_ids):
+            raise ValueError("num_resumed_tokens must be in [0, prompt length)")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError("max_prefill_chunk must be at least 1")
         if self.prefix_pull_blocks < 0:
             raise ValueError("prefix_pull_blocks must be non-negative")
+        if self.rng_offset < 0:
+            raise ValueError("rng_offset must be non-negative")
 
     def to(self, replica: str | None) -> WorkerRequest:
         return dataclasses.replace(self, replica=replica)

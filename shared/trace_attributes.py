@@ -67,6 +67,7 @@ SPAN_DECODE = "pdserve.decode"
 # ---- span event names
 EVENT_FIRST_TOKEN = "pdserve.first_token"
 EVENT_FALLBACK = "pdserve.fallback"
+EVENT_MIGRATION = "pdserve.migration"
 
 
 def speculation_attributes(num_draft_tokens: int, num_accepted_tokens: int, num_verifications: int) -> dict:

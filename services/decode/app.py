@@ -23,6 +23,7 @@ from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.telemetry import Telemetry
 from pdserve.worker import WorkerConfig, build_transport
+from pdserve.worklink import LinkServer
 
 
 @serve.deployment(name="decode")
@@ -30,8 +31,9 @@ class DecodeDeployment(WorkerEndpoints):
     def __init__(self, config: dict[str, Any], engine: AsyncLLMEngine | None = None) -> None:
         self.config = WorkerConfig.model_validate(config)
         self.engine = engine or AsyncLLMEngine.from_config(self.config.engine_config())
-        self.importer = KVImporter(self.engine, build_transport(self.config, self.engine))
-        self.prefix_puller = PrefixPuller.over(self.engine, self.importer.transport)
+        self.transport = build_transport(self.config, self.engine)
+        self.importer = KVImporter(self.engine, self.transport)
+        self.prefix_puller = PrefixPuller.over(self.engine, self.transport)
         self.telemetry = Telemetry("decode", self.config.model, self.config.tracing_env)
         self.block_nbytes = engine_layout(self.engine).block_nbytes
 
@@ -44,7 +46,8 @@ class DecodeDeployment(WorkerEndpoints):
         (those batches then count the first token in num_prompt_tokens)."""
         prompt = request.prompt_token_ids
         gen = GenerationRequest(request.request_id, prompt, request.params, priority=request.priority,
-                                max_prefill_chunk=request.max_prefill_chunk)
+                                max_prefill_chunk=request.max_prefill_chunk, rng_offset=request.rng_offset,
+                                num_resumed_tokens=request.num_resumed_tokens)
         tracing, metrics = self.telemetry.tracing, self.telemetry.metrics
         start = time.monotonic()
         span = tracing.start_span(ta.SPAN_DECODE, context=self.telemetry.parent(request.trace),
@@ -109,8 +112,13 @@ class DecodeDeployment(WorkerEndpoints):
         span.add_event(ta.EVENT_FALLBACK, {ta.FALLBACK_REASON: result.fallback_reason, "error": result.error or ""})
         rest = dataclasses.replace(gen.params, max_tokens=gen.params.max_tokens - 1,
                                    min_tokens=max(0, gen.params.min_tokens - 1))
-        local = dataclasses.replace(gen, prompt_token_ids=(*gen.prompt_token_ids, first_token_id), params=rest)
+        local = dataclasses.replace(gen, prompt_token_ids=(*gen.prompt_token_ids, first_token_id), params=rest,
+                                    num_resumed_tokens=gen.num_resumed_tokens + 1)
         return local, FallbackNotice(result.fallback_reason, result.error)
+
+    def link_server(self) -> LinkServer:
+        return LinkServer(self.link_token, generate=self.generate, max_ongoing=self.config.max_ongoing_requests,
+                          max_queued=self.config.max_queued_requests)
 
     def fallbacks(self) -> dict[str, int]:
         return dict(self.importer.fallbacks)

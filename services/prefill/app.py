@@ -19,6 +19,7 @@ from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.telemetry import Telemetry
 from pdserve.worker import WorkerConfig, build_transport
+from pdserve.worklink import LinkServer
 
 
 @serve.deployment(name="prefill")
@@ -68,6 +69,10 @@ class PrefillDeployment(WorkerEndpoints):
         # the engine ends a prefill-only request at its first token; the request itself ends only on a reason
         first = dataclasses.replace(TokenBatch.of(delta), finished=delta.finish_reason is not None)
         return PrefillResult(first, handoff, self.telemetry.replica)
+
+    def link_server(self) -> LinkServer:
+        return LinkServer(self.link_token, prefill=self.prefill, abort=self.abort,
+                          max_ongoing=self.config.max_ongoing_requests, max_queued=self.config.max_queued_requests)
 
     async def abort(self, lease_id: str) -> bool:
         """Drop an export whose decode side will never pull it (client gone before transfer)."""

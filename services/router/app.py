@@ -38,6 +38,7 @@ from pdserve.slo import SloWindow
 from pdserve.telemetry import Telemetry
 from pdserve.services.router.placement import Placement, PlacementConfig, PlacementRequest, Rejection
 from pdserve.services.router.placer import Placer
+from pdserve.worklink import LinkClient
 from pdserve.services.router.streaming import first_event, prepend, sse_stream, upstream_error
 from ray import serve
 from ray.serve import Application
@@ -120,43 +121,57 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         self.num_inflight = 0
         self.created = int(time.time())
         self._background: set[asyncio.Task] = set()
+        self.links = LinkClient()
 
     # ---- open endpoints
 
     @fastapi_app.get("/health")
     async def health(self) -> Response:
-        handles = [self.decode] + ([self.prefill] if self.config.mode == "disaggregated" and self.prefill else [])
-        try:
-            await asyncio.wait_for(asyncio.gather(*(h.stats.remote() for h in handles)),
-                                   self.config.health_timeout_s)
-        except Exception as exc:  # any failing path means no healthy serving path
-            return JSONResponse(error_body(f"unhealthy: {type(exc).__name__}: {exc}", "service_unavailable"),
-                                status_code=503, headers={"Retry-After": str(self.config.retry_after_s)})
-        return JSONResponse({"status": "ok", "mode": self.config.mode})
+        """Answers from state the router keeps, never from a call that could wait on a dead replica:
+        the stats poller's live replicas per role (a replica whose actor died drops out at once), after
+        at most `health_timeout_s` for the first poll. 503 with Retry-After while a role the mode needs
+        has no live replica."""
+        poller = self.placer.poller
+        await poller.ready(self.config.health_timeout_s)
+        roles = {"decode": len(poller.snapshots("decode"))}
+        if self.prefill is not None and self.config.mode == "disaggregated":
+            roles["prefill"] = len(poller.snapshots("prefill"))
+        missing = [role for role, n in roles.items() if n == 0]
+        if missing:
+            body = error_body(f"unhealthy: no live {' or '.join(missing)} replica", "service_unavailable")
+            return JSONResponse({**body, "replicas": roles}, status_code=503,
+                                headers={"Retry-After": str(self.config.retry_after_s)})
+        return JSONResponse({"status": "ok", "mode": self.config.mode, "replicas": roles})
 
     @fastapi_app.get("/metrics")
     async def metrics_endpoint(self) -> Response:
         return Response(self.metrics.render(await self._fresh_worker_snapshots()), media_type=CONTENT_TYPE)
 
     async def _fresh_worker_snapshots(self) -> list[dict]:
-        """One snapshot from every worker replica the stats poller knows (each call names its replica,
-        which PlacementRequestRouter honours), or from whichever replica answers before it knows any.
-        Replicas seen within `metrics_staleness_s` stay in the exposition."""
+        """One snapshot from every live worker replica the stats poller knows (each call names its
+        replica, which PlacementRequestRouter honours), or from whichever replica answers before it
+        knows any; a call gets `health_timeout_s`, so /metrics never waits on a dead replica. A replica
+        that is gone leaves the exposition at once; one slow to answer keeps its last snapshot for up
+        to `metrics_staleness_s`."""
         self.placer.start()
-        calls = []
+        calls, live = [], set()
         for role, handle in (("prefill", self.prefill), ("decode", self.decode)):
             if handle is None:
                 continue
             replicas = [s.replica for s in self.placer.poller.snapshots(role)]
+            live.update(replicas)
             calls += [handle.metrics_snapshot.remote({"replica": r}) for r in replicas] or [
                 handle.metrics_snapshot.remote()]
-        replies = await asyncio.gather(*calls, return_exceptions=True)
+        timeout = self.config.health_timeout_s
+        replies = await asyncio.gather(*(asyncio.wait_for(self._await(c), timeout) for c in calls),
+                                       return_exceptions=True)
         now = time.monotonic()
         for reply in replies:
             if isinstance(reply, dict):
                 self._worker_snapshots[reply["replica"]] = (now, reply["metrics"])
+                live.add(reply["replica"])
         for replica, (seen, _) in list(self._worker_snapshots.items()):
-            if now - seen > self.config.metrics_staleness_s:
+            if replica not in live or now - seen > self.config.metrics_staleness_s:
                 del self._worker_snapshots[replica]
         return [snapshot for _, snapshot in self._worker_snapshots.values()]
 

@@ -28,7 +28,7 @@ class RouterConfig(BaseModel):
     # a completions request runs (number of prompts) x n sequences; more than this is a 400
     max_choices_per_request: int = Field(64, ge=1)
     retry_after_s: int = Field(1, ge=0)
-    health_timeout_s: float = Field(5.0, gt=0)
+    health_timeout_s: float = Field(0.8, gt=0, le=1.0)  # /health waits this long at most (first stats poll)
     # Default SLOs (a request may set its own): placement targets them, and the pdserve_slo_attainment
     # gauges judge against them over a sliding window
     slo_ttft_s: float = Field(2.0, gt=0)
@@ -46,6 +46,11 @@ class RouterConfig(BaseModel):
     # SSE writes: coalesced (one write per batch of what arrived meanwhile, the first at once), or one per
     # event; stream_interval_ms > 0 caps writes at one per interval, like vLLM's --stream-interval
     stream_coalesce: bool = True
+    # calls to a replica whose link address is known go over pdserve.worklink, not Serve's handles
+    worker_link: bool = True
+    # a decode replica lost mid-stream: the stream moves to a live one (waiting this long for one), this often
+    max_migrations: int = Field(2, ge=0)
+    migration_timeout_s: float = Field(10.0, ge=0)
     stream_interval_ms: float = Field(0.0, ge=0, le=10_000)
 
     @property

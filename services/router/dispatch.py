@@ -19,16 +19,39 @@ from pdserve.contract import FallbackNotice, PrefillResult, TokenBatch, WorkerRe
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
 from pdserve.services.router.placement import Placement
+from pdserve.worklink import Link, WorkerUnavailable
 
 
 logger = logging.getLogger(__name__)
 # a worker replica that died, or a deployment with none left: retried elsewhere when nothing was sent yet
-WORKER_GONE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
+WORKER_GONE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, WorkerUnavailable)
 
 
 class DispatchMixin:
-    """RouterDeployment's request execution; uses its prefill/decode handles, telemetry, metrics,
-    _enter/_exit and _background."""
+    """RouterDeployment's request execution; uses its prefill/decode handles, worker links, telemetry,
+    metrics, _enter/_exit and _background. A call to a replica whose link address the stats poller has
+    seen goes over the link; any other through Serve's handle (which picks the replica if none is named)."""
+
+    def _link(self, role: str, replica: str | None) -> Link | None:
+        if replica is None or not self.config.worker_link:
+            return None
+        stats = self.placer.poller.latest(role, replica)
+        if stats is None or not stats.stats.get("link"):
+            return None
+        return Link(stats.stats["link"], stats.stats.get("link_token", ""))
+
+    def _decode_stream(self, request: WorkerRequest, *handoff):
+        """The decode call's events, cancellable (`.cancel()`); `handoff`: (params, first token id)."""
+        address = self._link("decode", request.replica)
+        self.api_metrics.count_worker_call("decode", "link" if address else "serve")
+        if address:
+            return self.links.generate(address, request, *handoff)
+        return self.decode.options(stream=True).generate.remote(request, *handoff)
+
+    def _abort_lease(self, replica: str | None, lease_id: str) -> None:
+        """Frees a prefill lease nobody will pull, on the replica that holds it."""
+        address = self._link("prefill", replica)
+        self._spawn(self.links.abort(address, lease_id) if address else self.prefill.abort.remote(lease_id))
 
     async def _merged(
         self, request_id: str, p: Prepared, placements: list[Placement], span, meta: oa.ResponseMeta
@@ -44,7 +67,7 @@ class DispatchMixin:
         carrier = self.telemetry.tracing.inject(span)
         self._enter()  # here, not at admission: a stream closed before its first step never ran this body
         try:
-            async for index, event in self._choices(request_id, p, placements, carrier):
+            async for index, event in self._choices(request_id, p, placements, carrier, span):
                 count = len(event.token_ids)
                 if ttft is None and count:
                     ttft = time.monotonic() - start
@@ -73,10 +96,10 @@ class DispatchMixin:
             span.end()
 
     async def _choices(
-        self, request_id: str, p: Prepared, placements: list[Placement], carrier: dict[str, str]
+        self, request_id: str, p: Prepared, placements: list[Placement], carrier: dict[str, str], span
     ) -> AsyncIterator[tuple[int, TokenBatch]]:
         if p.num_choices == 1:
-            async with aclosing(self._run_one(request_id, p.prompts[0], p.params, placements[0], carrier)) as one:
+            async with aclosing(self._run_one(request_id, p.prompts[0], p.params, placements[0], carrier, span)) as one:
                 async for event in one:
                     yield 0, event
             return
@@ -85,7 +108,7 @@ class DispatchMixin:
         async def pump(i: int) -> None:
             try:
                 k = p.prompt_of(i)
-                one = self._run_one(f"{request_id}-{i}", p.prompts[k], p.params_for(i), placements[k], carrier)
+                one = self._run_one(f"{request_id}-{i}", p.prompts[k], p.params_for(i), placements[k], carrier, span)
                 async with aclosing(one):
                     async for event in one:
                         queue.put_nowait((i, event))
@@ -110,14 +133,17 @@ class DispatchMixin:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run_one(
-        self, request_id: str, prompt_ids: tuple[int, ...], params, placement: Placement, carrier: dict[str, str]
+        self, request_id: str, prompt_ids: tuple[int, ...], params, placement: Placement, carrier: dict[str, str],
+        span,
     ) -> AsyncIterator[TokenBatch]:
         """One choice's token batches. The request names the replica placement chose (None: Serve's choice),
-        which PlacementRequestRouter honours."""
+        which PlacementRequestRouter honours. A decode replica lost mid-stream is replaced (`_migrate`)."""
         request = WorkerRequest(request_id, prompt_ids, params, placement.priority, placement.prefill_chunk_tokens,
                                 carrier, prefix_pull_blocks=placement.prefix_pull_blocks)
-        handoff = stream = None
+        first = handoff = stream = None
         finished = imported = False
+        sent: list[int] = []  # token ids the client has, in order
+        num_decoded = 0  # of those, sampled by decode engines (their seeded draws)
         try:
             first = await self._prefill(request.to(placement.prefill_replica)) if placement.disaggregate else None
             if first is not None:
@@ -129,33 +155,86 @@ class DispatchMixin:
                 # prefill delivered the prompt logprobs: decode (a fallback included) must not compute them again
                 decode = dataclasses.replace(request.to(placement.decode_replica),
                                              params=dataclasses.replace(params, prompt_logprobs=None))
-                stream = self.decode.options(stream=True).generate.remote(decode, handoff, first.first.token_ids[0])
+                stream = self._decode_stream(decode, handoff, first.first.token_ids[0])
+                sent.extend(first.first.token_ids)
                 yield first.first
             else:
-                stream = self.decode.options(stream=True).generate.remote(request.to(placement.decode_replica))
-            async for event in stream:
-                if isinstance(event, FallbackNotice):  # counted and traced by decode, whose series carry the reason
-                    if handoff is not None:  # decode prefills locally: nobody will pull the prefill lease now
-                        self._spawn(self.prefill.abort.remote(handoff.lease_id))
-                        handoff = None
-                    continue
-                imported = True
-                finished = event.finished
-                yield event
+                stream = self._decode_stream(request.to(placement.decode_replica))
+            replica, num_migrations = placement.decode_replica, 0
+            while True:
+                try:
+                    async for event in stream:
+                        if isinstance(event, FallbackNotice):  # counted and traced by decode (its series say why)
+                            if handoff is not None:  # decode prefills locally: nobody will pull the lease now
+                                self._abort_lease(first.replica, handoff.lease_id)
+                                handoff = None
+                            continue
+                        imported = True
+                        finished = event.finished
+                        sent.extend(event.token_ids)
+                        num_decoded += len(event.token_ids)
+                        yield event
+                    break
+                except WORKER_GONE as exc:
+                    if num_migrations >= self.config.max_migrations:
+                        raise
+                    if handoff is not None and not imported:
+                        self._abort_lease(first.replica, handoff.lease_id)
+                    handoff, num_migrations = None, num_migrations + 1
+                    replica, stream = await self._migrate(request, replica, sent, num_decoded, num_migrations,
+                                                          exc, span)
         finally:
             if not finished:
                 if stream is not None:
                     stream.cancel()
                 if handoff is not None and not imported:
                     # decode never confirmed the pull: the prefill lease would otherwise wait for its TTL
-                    self._spawn(self.prefill.abort.remote(handoff.lease_id))
+                    self._abort_lease(first.replica, handoff.lease_id)
+
+    async def _migrate(
+        self, request: WorkerRequest, dead: str | None, sent: list[int], num_decoded: int, attempt: int,
+        exc: BaseException, span,
+    ) -> tuple[str, Any]:
+        """The stream of `request` continued on another live decode replica after `dead` failed: the
+        prompt plus every token the client has, the rest of its token budget, and its seeded draws
+        skipped (`rng_offset`), so a seeded stream goes on as it would have. Waits up to
+        `migration_timeout_s` for a replica that answered after the failure; re-raises `exc` if none does."""
+        failed_at = time.monotonic()
+        if dead is not None:
+            self.placer.poller.forget("decode", dead)
+        deadline = failed_at + self.config.migration_timeout_s
+        while True:
+            live = [s for s in self.placer.poller.snapshots("decode") if s.replica != dead and s.received_at > failed_at]
+            if live:
+                break
+            if time.monotonic() >= deadline:
+                logger.warning("no decode replica to migrate %s to: %s", request.request_id, exc)
+                raise exc
+            await asyncio.sleep(self.placer.config.stats_poll_period_s)
+        target = min(live, key=lambda s: s.stats.get("num_running", 0) + s.stats.get("num_waiting", 0)).replica
+        params = request.params
+        params = dataclasses.replace(params, max_tokens=params.max_tokens - len(sent), prompt_logprobs=None,
+                                     min_tokens=max(0, params.min_tokens - len(sent)))
+        moved = dataclasses.replace(request, request_id=f"{request.request_id}-m{attempt}", params=params,
+                                    prompt_token_ids=(*request.prompt_token_ids, *sent), replica=target,
+                                    prefix_pull_blocks=0, rng_offset=num_decoded,
+                                    num_resumed_tokens=request.num_resumed_tokens + len(sent))
+        logger.warning("decode replica %s failed mid-stream (%s: %s); %s continues on %s after %d tokens",
+                       dead, type(exc).__name__, exc, request.request_id, target, len(sent))
+        self.api_metrics.count_migration("decode_unavailable")
+        span.add_event(ta.EVENT_MIGRATION, {"pdserve.migration.from": dead or "", "pdserve.migration.to": target,
+                                            "pdserve.migration.tokens_sent": len(sent)})
+        return target, self._decode_stream(moved)
 
     async def _prefill(self, request: WorkerRequest) -> PrefillResult | None:
         """The prefill call, shielded: a caller cancelled while it runs (a client gone while other choices
         already stream) lets it finish and frees its lease, which nobody would pull. None when the prefill
         replica is gone (killed, crashed, none left): the decode replica then prefills locally, counted
         as a `prefill_unavailable` fallback, since nothing was sent to the client yet."""
-        call = asyncio.ensure_future(self._await(self.prefill.prefill.remote(request)))
+        address = self._link("prefill", request.replica)
+        self.api_metrics.count_worker_call("prefill", "link" if address else "serve")
+        response = self.links.prefill(address, request) if address else self.prefill.prefill.remote(request)
+        call = asyncio.ensure_future(self._await(response))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -164,6 +243,8 @@ class DispatchMixin:
         except WORKER_GONE as exc:
             logger.warning("prefill for %s failed, decode prefills locally: %s: %s", request.request_id,
                            type(exc).__name__, exc)
+            if request.replica is not None:
+                self.placer.poller.forget("prefill", request.replica)
             self.metrics.count_fallback("prefill_unavailable")
             return None
 
@@ -174,9 +255,9 @@ class DispatchMixin:
     def _release_orphan(self, call: asyncio.Future) -> None:
         if call.cancelled() or call.exception() is not None:
             return
-        handoff = call.result().handoff
-        if handoff is not None:
-            self._spawn(self.prefill.abort.remote(handoff.lease_id))
+        result = call.result()
+        if result.handoff is not None:
+            self._abort_lease(result.replica, result.handoff.lease_id)
 
     def _spawn(self, response) -> None:
         async def wait() -> None:

@@ -16,6 +16,18 @@ class APIMetrics:
                                      registry=registry)
         self.stream_events = Counter("pdserve_router_stream_events", "SSE events with a choice written",
                                      registry=registry)
+        self.worker_calls = Counter("pdserve_router_worker_calls", "Prefill and decode calls by role and path "
+                                    "(link: pdserve.worklink; serve: a Serve handle)", ["role", "path"],
+                                    registry=registry)
+
+        self.migrations = Counter("pdserve_migrations", "Streams moved to another decode replica mid-stream",
+                                  ["reason"], registry=registry)
+
+    def count_migration(self, reason: str) -> None:
+        self.migrations.labels(reason).inc()
+
+    def count_worker_call(self, role: str, path: str) -> None:
+        self.worker_calls.labels(role, path).inc()
 
     def count_write(self, num_events: int) -> None:
         self.stream_writes.inc()

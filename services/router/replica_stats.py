@@ -4,7 +4,7 @@ Serve pushes `record_routing_stats` to handles only every few seconds; placement
 numbers, so the router calls each replica actor's `record_routing_stats` itself every `period_s`
 (replicas are found by Serve's actor naming, `SERVE_REPLICA::{app}#{deployment}#{id}`, refreshed
 every `discover_every_s`). A snapshot older than `staleness_s` is reported with its age, and a
-replica that stopped answering drops out after `2 * staleness_s`.
+replica that stopped answering drops out after `2 * staleness_s`, one whose actor died at once.
 
 With a prefix index, each poll also reads every replica's KV events after the index's cursor
 (`kv_events`, through the deployment's handle, steered to the replica by PlacementRequestRouter; a
@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any
+
+from ray.exceptions import RayActorError
 
 from pdserve.kv_events import KVEventBatch
 from pdserve.services.router.prefix_index import PrefixIndex
@@ -51,16 +53,37 @@ class ReplicaStatsPoller:
         self._actors: dict[tuple[str, str], Any] = {}  # (deployment, replica id) -> actor handle
         self._latest: dict[tuple[str, str], ReplicaStats] = {}
         self._task: asyncio.Task | None = None
+        self.polled: asyncio.Event | None = None  # set once the first discovery and poll are done
 
     def start(self) -> None:
         if self._task is None or self._task.done():
+            self.polled = self.polled or asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def ready(self, timeout_s: float) -> bool:
+        """Starts polling if needed and waits (at most `timeout_s`) for the first round."""
+        self.start()
+        try:
+            await asyncio.wait_for(asyncio.shield(self.polled.wait()), timeout_s)
+        except TimeoutError:
+            pass
+        return self.polled.is_set()
+
+    def forget(self, role: str, replica: str) -> None:
+        """Drops a replica known to be dead until discovery finds it alive again."""
+        self._latest.pop((role, replica), None)
+        self._actors.pop((role, replica), None)
 
     def snapshots(self, role: str) -> list[ReplicaStats]:
         """The latest stats of each replica of `role` still answering, freshest first."""
         now = time.monotonic()
         out = [s for (dep, _), s in self._latest.items() if dep == role and now - s.received_at <= 2 * self.staleness_s]
         return sorted(out, key=lambda s: -s.received_at)
+
+    def latest(self, role: str, replica: str) -> ReplicaStats | None:
+        """The replica's latest stats while it still answers."""
+        s = self._latest.get((role, replica))
+        return s if s is not None and time.monotonic() - s.received_at <= 2 * self.staleness_s else None
 
     async def _run(self) -> None:
         last_discovery = -1e9
@@ -70,6 +93,7 @@ class ReplicaStatsPoller:
                     await self._discover()
                     last_discovery = time.monotonic()
                 await self._poll()
+                self.polled.set()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a poll that fails leaves the last snapshots to age out
@@ -109,6 +133,8 @@ class ReplicaStatsPoller:
         for (deployment, replica), reply in zip(keys, replies):
             if isinstance(reply, dict) and reply:
                 self._latest[(deployment, replica)] = ReplicaStats(replica, deployment, reply, now)
+            elif isinstance(reply, RayActorError):  # dead: out of placement, /health and /metrics at once
+                self.forget(deployment, replica)
 
     async def _read_events(self, deployment: str, replica: str) -> None:
         target = {"replica": replica, "cursor": self.index.cursor(replica)}

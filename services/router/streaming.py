@@ -16,6 +16,7 @@ from pdserve.streams import batches
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
 from pdserve.services.router.errors import APIError
+from pdserve.worklink import WorkerOverloaded, WorkerUnavailable
 
 Event = tuple[int, TokenBatch]
 logger = logging.getLogger(__name__)
@@ -31,11 +32,11 @@ def upstream_error(exc: BaseException, retry_after_s: int) -> APIError:
     if isinstance(exc, APIError):
         return exc
     retry = {"Retry-After": str(max(1, retry_after_s))}
-    if isinstance(exc, BackPressureError):
+    if isinstance(exc, (BackPressureError, WorkerOverloaded)):
         return APIError(503, "worker queues are full; retry later", code="overloaded", reason="backpressure",
                         headers=retry)
     logger.warning("upstream failure: %s: %s", type(exc).__name__, exc, exc_info=exc)
-    if isinstance(exc, (DeploymentUnavailableError, ReplicaUnavailableError, RayActorError)):
+    if isinstance(exc, (DeploymentUnavailableError, ReplicaUnavailableError, RayActorError, WorkerUnavailable)):
         return APIError(503, "a worker became unavailable; retry later", code="unavailable",
                         reason="unavailable", headers=retry)
     return APIError(500, "generation failed", code="internal_error", reason="internal_error")

@@ -95,11 +95,17 @@ class LLMEngine:
             priority=request.priority, arrival_time=request.arrival_time,
             max_prefill_chunk=request.max_prefill_chunk,
         )
+        if request.rng_offset and seq.generator is not None:
+            Sampler.skip(seq.generator, request.rng_offset, vocab)
+        resumed = request.num_resumed_tokens
+        seq.num_resumed_tokens = resumed
         detok = IncrementalDetokenizer(
-            self.tokenizer, prompt, stop=request.params.stop,
+            self.tokenizer, prompt[: len(prompt) - resumed], stop=request.params.stop,
             include_stop_str_in_output=request.params.include_stop_str_in_output,
             skip_special_tokens=request.params.skip_special_tokens,
         )
+        if resumed:
+            detok.add_tokens(prompt[len(prompt) - resumed :])  # the text was sent already; what it holds stays
         if request.adopt_lease_id is not None:
             lease = self.leases.take(request.adopt_lease_id)
             if lease.num_tokens != len(prompt) or len(lease.block_ids) < seq.blocks_needed(len(prompt)):

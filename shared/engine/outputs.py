@@ -32,11 +32,18 @@ class GenerationRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     # Cap on this prompt's tokens per step (the router's chunk budget); None: the engine's budget.
     max_prefill_chunk: int | None = None
+    # Seeded noise draws already made for this request elsewhere (a migrated stream); skipped at admission.
+    rng_offset: int = 0
+    # Trailing prompt tokens that are output already sent (a migrated stream or a local fallback): penalties
+    # count them as output, and the detokenizer replays them so held text (a partial character) carries on.
+    num_resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        if not 0 <= self.num_resumed_tokens < len(self.prompt_token_ids):
+            raise ValueError("num_resumed_tokens must be in [0, prompt length)")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError("max_prefill_chunk must be at least 1")
         if (self.adopt_lease_id is None) != (self.first_token_id is None):

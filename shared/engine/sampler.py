@@ -34,11 +34,11 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     # logits: [N, V] float32 -> penalized copy
     n, vocab = logits.shape
     device = logits.device
-    out_ids, out_valid = _pad([s.output_token_ids for s in seqs], device)
+    out_ids, out_valid = _pad([s.penalized_token_ids for s in seqs], device)
     counts = torch.zeros(n, vocab + 1, dtype=logits.dtype, device=device)
     counts.scatter_add_(1, torch.where(out_valid, out_ids, vocab), out_valid.to(logits.dtype))
     counts = counts[:, :vocab]
-    prompt_ids, prompt_valid = _pad([s.token_ids[: s.num_prompt_tokens] for s in seqs], device)
+    prompt_ids, prompt_valid = _pad([s.token_ids[: s.num_prompt_tokens - s.num_resumed_tokens] for s in seqs], device)
     seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=device)
     seen.scatter_(1, torch.where(prompt_valid, prompt_ids, vocab), True)
     seen = seen[:, :vocab] | (counts > 0)
@@ -137,6 +137,12 @@ class Sampler:
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             scaled = apply_top_k_top_p_min_p(scaled, seqs)
         return scaled.softmax(dim=-1)
+
+    @staticmethod
+    def skip(generator: torch.Generator, num_tokens: int, vocab_size: int) -> None:
+        """Advances a seeded request's generator past `num_tokens` sampled elsewhere (a noise row each)."""
+        for _ in range(num_tokens):
+            torch.empty(vocab_size).exponential_(generator=generator)
 
     def _exponential_noise(self, seqs: list[Sequence], probs: torch.Tensor) -> torch.Tensor:
         noise = torch.empty_like(probs)

@@ -44,6 +44,7 @@ class Sequence:
     num_draft_tokens: int = 0  # speculative decoding: drafted, accepted, verification steps
     num_accepted_tokens: int = 0
     num_verifications: int = 0
+    num_resumed_tokens: int = 0  # trailing prompt tokens that are earlier output (penalties count them)
     draft_limit: int | None = None  # adaptive cap on the next draft's length (None: the configured k)
     # (logprob of prompt token i, its top alternatives) for i < len(list); position 0 has neither.
     # None: not asked for, or computed elsewhere (an adopted sequence: the prefill engine has them).
@@ -66,6 +67,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def penalized_token_ids(self) -> list[int]:
+        """Output ids for presence/frequency penalties: this engine's output and any resumed output."""
+        return self.token_ids[self.num_prompt_tokens - self.num_resumed_tokens :]
 
     @property
     def last_token_id(self) -> int:

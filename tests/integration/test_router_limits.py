@@ -48,6 +48,17 @@ async def _open_stream(http: httpx.AsyncClient, url: str):
     return resp
 
 
+def _wait_for_link(url: str) -> None:
+    """Until a call went over the worker link: the bounds under test are then the link's (the same
+    max_ongoing/max_queued as Serve's handles, which carry the calls of a replica's first ~100 ms)."""
+    deadline = time.monotonic() + 60
+    short = {**LONG, "max_tokens": 1, "stream": False}
+    while 'pdserve_router_worker_calls_total{path="link",role="decode"}' not in httpx.get(f"{url}/metrics").text:
+        assert time.monotonic() < deadline, "the router never used the worker link"
+        httpx.post(f"{url}/v1/completions", json=short, timeout=60)
+        time.sleep(0.1)
+
+
 def _assert_retry(resp, status, code):
     assert resp.status_code == status, resp.text
     assert resp.headers["retry-after"] == "3"
@@ -89,8 +100,9 @@ def test_full_router_answers_429(ray_serve, limits):
 
 
 def test_full_worker_queue_answers_503(ray_serve, limits):
-    """decode runs one call and queues one; another gets Serve's BackPressureError, mapped to 503."""
+    """decode runs one call and queues one; another is refused (the link's RESOURCE_EXHAUSTED), mapped to 503."""
     url = limits["limits-worker"]
+    _wait_for_link(url)
 
     async def scenario():
         async with httpx.AsyncClient(timeout=60) as http:

@@ -21,18 +21,23 @@ from pdserve.engine.sequence import Sequence
 class DraftView:
     """A sequence as if `extra` tokens had been appended: what the sampler sees for a draft row."""
 
-    __slots__ = ("params", "token_ids", "num_prompt_tokens", "eos_token_ids", "generator")
+    __slots__ = ("params", "token_ids", "num_prompt_tokens", "num_resumed_tokens", "eos_token_ids", "generator")
 
     def __init__(self, seq: Sequence, extra: list[int]) -> None:
         self.params = seq.params
         self.token_ids = seq.token_ids + extra
         self.num_prompt_tokens = seq.num_prompt_tokens
+        self.num_resumed_tokens = seq.num_resumed_tokens
         self.eos_token_ids = seq.eos_token_ids
         self.generator = seq.generator
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def penalized_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens - self.num_resumed_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

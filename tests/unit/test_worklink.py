@@ -1,0 +1,198 @@
+"""pdserve.worklink: the codec round-trips the contract exactly and refuses malformed bytes; a real
+gRPC server and client on loopback carry calls, cancellation, overload, failures and a dead peer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from pdserve.contract import FallbackNotice, HandoffParams, PrefillResult, Priority, TokenBatch, WorkerRequest
+from pdserve.sampling_params import SamplingParams
+from pdserve.worklink import (CodecError, Link, LinkClient, LinkServer, WorkerLinkError, WorkerOverloaded,
+                              WorkerUnavailable, codec)
+
+REQUEST = WorkerRequest("r-1", (5, 6, 7), SamplingParams(max_tokens=9, temperature=0.7, seed=11, stop=("x", "yz"),
+                                                          stop_token_ids=(3,), logprobs=2,
+                                                          logit_bias=((4, -1.5),)),
+                        Priority.BATCH, 32, {"traceparent": "00-ab-cd-01"}, "replica-a", prefix_pull_blocks=2,
+                        rng_offset=3, num_resumed_tokens=1)
+HANDOFF = HandoffParams("ucx", 1234567, "lease-1", 20, (4, 9), (1 << 60,), "127.0.0.1", 40000)
+BATCH = TokenBatch((8, 9), "ab", True, "stop", "yz", (-0.25, -1.0), (((8, -0.25), (1, -2.0)), ((9, -1.0),)),
+                   3, 2, 1, (None, -0.5, -3.0), (None, ((6, -0.5),), ((7, -3.0),)))
+
+
+def test_codec_round_trips_every_message():
+    defaults = WorkerRequest("d", (1,), SamplingParams())
+    unset = [f for f in codec.REQUEST_FIELDS if getattr(REQUEST, f) == getattr(defaults, f)]
+    assert unset == [], f"set these in REQUEST so the round trip covers them: {unset}"
+    assert codec.unpack_call(codec.pack_call(REQUEST)) == (REQUEST, None, None)
+    assert codec.unpack_call(codec.pack_call(REQUEST, HANDOFF, 42)) == (REQUEST, HANDOFF, 42)
+    result = PrefillResult(BATCH, HANDOFF, "replica-p")
+    assert codec.unpack_result(codec.pack_result(result)) == result
+    assert codec.unpack_result(codec.pack_result(PrefillResult(BATCH, None, "p"))).handoff is None
+    assert codec.unpack_event(codec.pack_event(BATCH)) == BATCH
+    assert codec.unpack_event(codec.pack_event(TokenBatch((1,), "a"))) == TokenBatch((1,), "a")
+    notice = FallbackNotice("import_failed", "peer gone")
+    assert codec.unpack_event(codec.pack_event(notice)) == notice
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb(("a",) * 9), msgpack.packb([2, "x", None]),
+    codec.pack_call(REQUEST)[:-3],
+])
+def test_codec_refuses_malformed_bytes(data):
+    for unpack in (codec.unpack_call, codec.unpack_result, codec.unpack_event):
+        with pytest.raises(CodecError):
+            unpack(data)
+
+
+def test_codec_refuses_invalid_values():
+    values, handoff, first = msgpack.unpackb(codec.pack_call(REQUEST), use_list=False)
+    for name, value in (("prompt_token_ids", ()), ("params", {"max_tokens": -1}), ("params", {"no_such": 1}),
+                        ("priority", 7), ("prefix_pull_blocks", -1)):
+        bad = list(values)
+        bad[codec.REQUEST_FIELDS.index(name)] = value
+        with pytest.raises(CodecError):
+            codec.unpack_call(msgpack.packb((bad, handoff, first)))
+
+
+class Worker:
+    """A worker whose calls the tests steer: what they saw, when they were closed."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+        self.seen: list = []
+        self.release = asyncio.Event()
+
+    async def prefill(self, request: WorkerRequest) -> PrefillResult:
+        self.seen.append(request)
+        if request.request_id == "boom":
+            raise RuntimeError("secret internals at 10.1.2.3 pid=77")
+        if request.request_id == "slow":
+            await self.release.wait()
+        return PrefillResult(BATCH, HANDOFF, "replica-p")
+
+    async def generate(self, request, handoff, first):
+        self.seen.append((request, handoff, first))
+        try:
+            yield FallbackNotice("import_failed")
+            for i in range(request.params.max_tokens):
+                yield TokenBatch((i,), str(i), finished=i == request.params.max_tokens - 1)
+                if request.request_id == "slow":
+                    await self.release.wait()
+        finally:
+            self.closed.set()
+
+    async def abort(self, lease_id: str) -> bool:
+        return lease_id == "lease-1"
+
+
+async def _pair(ongoing: int = 8, queued: int = 8):
+    worker = Worker()
+    server = LinkServer("the-token", prefill=worker.prefill, generate=worker.generate, abort=worker.abort,
+                        max_ongoing=ongoing, max_queued=queued)
+    address = await server.start("127.0.0.1")
+    return worker, server, Link(address, "the-token"), LinkClient()
+
+
+def test_link_carries_prefill_decode_and_abort():
+    async def main():
+        worker, server, link, client = await _pair()
+        try:
+            assert await client.prefill(link, REQUEST) == PrefillResult(BATCH, HANDOFF, "replica-p")
+            events = [e async for e in client.generate(link, REQUEST, HANDOFF, 42)]
+            assert events[0] == FallbackNotice("import_failed")
+            assert [e.token_ids for e in events[1:]] == [(i,) for i in range(9)] and events[-1].finished
+            assert worker.seen[-1] == (REQUEST, HANDOFF, 42)
+            assert await client.abort(link, "lease-1") and not await client.abort(link, "other")
+        finally:
+            await client.close()
+            await server.stop()
+    asyncio.run(main())
+
+
+def test_cancelling_a_stream_closes_the_worker_side():
+    async def main():
+        worker, server, link, client = await _pair()
+        try:
+            stream = client.generate(link, WorkerRequest("slow", (1,), SamplingParams(max_tokens=50)))
+            it = aiter(stream)
+            await anext(it)
+            await anext(it)
+            stream.cancel()
+            await asyncio.wait_for(worker.closed.wait(), 5)
+            assert server.num_in_flight == 0
+        finally:
+            await client.close()
+            await server.stop()
+    asyncio.run(main())
+
+
+def test_failures_map_to_link_errors_without_internals():
+    async def main():
+        worker, server, link, client = await _pair(ongoing=1, queued=1)
+        try:
+            with pytest.raises(WorkerLinkError) as failed:
+                await client.prefill(link, WorkerRequest("boom", (1,), SamplingParams()))
+            assert not isinstance(failed.value, WorkerUnavailable)
+            assert "10.1.2.3" not in str(failed.value) and "pid" not in str(failed.value)
+            slow = asyncio.ensure_future(client.prefill(link, WorkerRequest("slow", (1,), SamplingParams())))
+            while server.num_in_flight == 0:
+                await asyncio.sleep(0.01)
+            queued = asyncio.ensure_future(client.prefill(link, REQUEST))  # waits for the slot
+            while server.num_queued == 0:
+                await asyncio.sleep(0.01)
+            with pytest.raises(WorkerOverloaded):
+                await client.prefill(link, REQUEST)
+            worker.release.set()
+            assert (await slow).replica == "replica-p" and (await queued).replica == "replica-p"
+            assert server.num_in_flight == server.num_queued == 0
+            channel = client._channel(link.address)
+            with pytest.raises(ValueError):  # bytes the worker cannot decode: INVALID_ARGUMENT
+                try:
+                    await channel.prefill(b"\x93\x01\x02\x03", metadata=link.metadata)
+                except Exception as exc:
+                    from pdserve.worklink.client import link_error
+                    raise link_error(exc) from None
+        finally:
+            await client.close()
+            await server.stop()
+    asyncio.run(main())
+
+
+def test_a_dead_worker_is_unavailable():
+    async def main():
+        worker, server, link, client = await _pair()
+        await server.stop()
+        try:
+            with pytest.raises(WorkerUnavailable):
+                await client.prefill(link, REQUEST)
+            with pytest.raises(WorkerUnavailable):
+                async for _ in client.generate(link, REQUEST):
+                    pass
+        finally:
+            await client.close()
+    asyncio.run(main())
+
+
+def test_a_call_without_the_token_is_refused():
+    async def main():
+        worker, server, link, client = await _pair()
+        intruder = LinkClient()
+        wrong = Link(link.address, "guessed")
+        try:
+            for call in (intruder.prefill(wrong, REQUEST), intruder.abort(wrong, "lease-1"),
+                         anext(aiter(intruder.generate(wrong, REQUEST)))):
+                with pytest.raises(WorkerLinkError) as refused:
+                    await call
+                assert "UNAUTHENTICATED" in str(refused.value)
+            assert worker.seen == []
+            with pytest.raises(ValueError):
+                LinkServer("", prefill=worker.prefill)
+        finally:
+            await intruder.close()
+            await client.close()
+            await server.stop()
+    asyncio.run(main())
