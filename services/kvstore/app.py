@@ -8,7 +8,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from pdserve.redis_health import RedisSettingsError
+from pdserve.redis_health import RedisProbe, RedisSettingsError
 from pdserve.services.kvstore.config import KVStoreConfig
 from pdserve.services.kvstore.store import KVStore, KVStoreUnavailable
 
@@ -24,6 +24,7 @@ class KVStoreDeployment:
         self.config = KVStoreConfig.model_validate(config)
         self.store = store or KVStore(self.config)
         self.is_policy_applied = False
+        self.probe = RedisProbe(self.config.redis_url)  # started on the replica's loop by the first health()
 
     async def _ensure_policy(self) -> None:
         # Applied lazily (and retried until it takes) so a Redis that is down at startup does not crash the replica.
@@ -51,6 +52,12 @@ class KVStoreDeployment:
             return {"healthy": True, **await self.store.stats()}
         except KVStoreUnavailable as exc:
             return {"healthy": False, "error": str(exc)}
+
+    async def health(self) -> dict[str, Any]:
+        """The Redis probe's state ({"status": "up" | "down" | "unknown", "for_s"}), without waiting on
+        Redis: the probe pings in the background."""
+        self.probe.start()
+        return self.probe.state()
 
     async def check_health(self) -> None:
         # Serve's replica health check; an unreachable Redis degrades lookups but keeps the replica.

@@ -38,6 +38,7 @@ from pdserve.slo import SloWindow
 from pdserve.telemetry import Telemetry
 from pdserve.services.router.placement import Placement, PlacementConfig, PlacementRequest, Rejection
 from pdserve.services.router.placer import Placer
+from pdserve.services.router.redis_tier import RedisTierWatch
 from pdserve.worklink import LinkClient
 from pdserve.services.router.streaming import first_event, prepend, sse_stream, upstream_error
 from ray import serve
@@ -122,6 +123,9 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         self.created = int(time.time())
         self._background: set[asyncio.Task] = set()
         self.links = LinkClient()
+        self.redis_tier = RedisTierWatch(kvstore) if kvstore is not None else None
+        if self.redis_tier is not None:
+            self.metrics.watch_redis(self.redis_tier)
 
     # ---- open endpoints
 
@@ -130,18 +134,24 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         """Answers from state the router keeps, never from a call that could wait on a dead replica:
         the stats poller's live replicas per role (a replica whose actor died drops out at once), after
         at most `health_timeout_s` for the first poll. 503 with Retry-After while a role the mode needs
-        has no live replica."""
+        has no live replica. A Redis tier that is down (cache only: requests are still served) makes the
+        status "degraded"."""
         poller = self.placer.poller
         await poller.ready(self.config.health_timeout_s)
         roles = {"decode": len(poller.snapshots("decode"))}
         if self.prefill is not None and self.config.mode == "disaggregated":
             roles["prefill"] = len(poller.snapshots("prefill"))
+        tier = {}
+        if self.redis_tier is not None:
+            self.redis_tier.start()
+            tier = {"redis": self.redis_tier.state()}
         missing = [role for role, n in roles.items() if n == 0]
         if missing:
             body = error_body(f"unhealthy: no live {' or '.join(missing)} replica", "service_unavailable")
-            return JSONResponse({**body, "replicas": roles}, status_code=503,
+            return JSONResponse({**body, "replicas": roles, **tier}, status_code=503,
                                 headers={"Retry-After": str(self.config.retry_after_s)})
-        return JSONResponse({"status": "ok", "mode": self.config.mode, "replicas": roles})
+        status = "degraded" if tier.get("redis", {}).get("status") == "down" else "ok"
+        return JSONResponse({"status": status, "mode": self.config.mode, "replicas": roles, **tier})
 
     @fastapi_app.get("/metrics")
     async def metrics_endpoint(self) -> Response:
