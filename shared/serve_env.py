@@ -19,6 +19,7 @@ environment of the process that starts Ray, before `ray.init`, and so in every R
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.request
 from typing import Literal
@@ -63,7 +64,7 @@ def routes_at(host: str, port: int, timeout_s: float = 2.0) -> dict[str, str]:
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/-/routes", timeout=timeout_s) as reply:
             routes = json.loads(reply.read())
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):  # another protocol's server on the port
         return {}
     return routes if isinstance(routes, dict) else {}
 
