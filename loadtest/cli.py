@@ -1,4 +1,5 @@
-"""`pdserve-loadtest`: `run` (one load point against a URL), `sweep` (goodput of a URL), `scenario` (a YAML file)."""
+"""`pdserve-loadtest`: `run` (one load point against a URL), `sweep` (goodput of a URL), `scenario` (a YAML file),
+`soak` (faults and bad input under load)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,10 @@ def parser() -> argparse.ArgumentParser:
     scenario.add_argument("--out", type=Path, required=True)
     scenario.add_argument("--port", type=int, default=0, help="Serve HTTP port when Serve is started here")
     scenario.add_argument("--no-progress", action="store_true")
+    from pdserve.loadtest.soak import add_soak_args
+
+    add_soak_args(sub.add_parser("soak", help="N requests with disconnects, bad inputs and replica kills; "
+                                 "every request accounted for, no KV leak, bounded RSS (exit 1 otherwise)"))
     return p
 
 
@@ -169,6 +174,10 @@ def scenario_main(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        if args.command == "soak":
+            from pdserve.loadtest.soak_run import soak_main
+
+            return soak_main(args)
         return {"run": run_main, "sweep": sweep_main, "scenario": scenario_main}[args.command](args)
     except ValueError as exc:
         print(f"pdserve-loadtest: {exc}", file=sys.stderr)
