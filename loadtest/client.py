@@ -31,6 +31,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each token chunk, from sent_s
     e2e_s: float | None = None
     output_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prompt tokens served from cache
     error: str = ""
 
     @property
@@ -84,16 +85,28 @@ async def send(
                     result.chunk_times.append(now - sent)
                 elif data.get("usage"):
                     usage_tokens = int(data["usage"]["completion_tokens"])
+                    result.cached_tokens = cached_tokens(data["usage"])
         result.e2e_s = time.perf_counter() - sent
         result.output_tokens = usage_tokens if usage_tokens is not None else len(result.chunk_times)
         if not result.chunk_times:
             raise RuntimeError("the stream carried no tokens")
         result.status = "ok"
-    except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
+    except (httpx.HTTPError, RuntimeError, ValueError, KeyError, TypeError) as exc:
         result.status = "error"
         result.error = f"{type(exc).__name__}: {exc}"
         result.e2e_s = time.perf_counter() - sent
     return result
+
+
+def cached_tokens(usage: dict[str, Any]) -> int:
+    """usage.prompt_tokens_details.cached_tokens; 0 when the server leaves it out (null or absent)."""
+    details = usage.get("prompt_tokens_details") or {}
+    if not isinstance(details, dict):
+        raise TypeError(f"prompt_tokens_details is not an object: {details!r}")
+    value = details.get("cached_tokens") or 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"cached_tokens is not a count: {value!r}")
+    return value
 
 
 def new_client(max_connections: int) -> httpx.AsyncClient:

@@ -76,6 +76,8 @@ class RunSummary:
     tpot_ms: dict[str, float | None]
     itl_ms: dict[str, float | None]
     e2e_ms: dict[str, float | None]
+    # cached prompt tokens (usage.prompt_tokens_details) / prompt tokens, over the completed requests
+    prefix_hit_rate: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,4 +100,12 @@ def summarize(
         tpot_ms=ms([m.tpot_s for m in done if m.tpot_s is not None]),
         itl_ms=ms([g for m in done for g in m.itl_s]),
         e2e_ms=ms([m.e2e_s for m in done]),
+        prefix_hit_rate=prefix_hit_rate(results),
     )
+
+
+def prefix_hit_rate(results: list[RequestResult]) -> float | None:
+    """Cached prompt tokens / prompt tokens over the completed requests; None when none completed."""
+    done = [r for r in results if r.ok]
+    prompt = sum(r.prompt_len for r in done)
+    return sum(r.cached_tokens for r in done) / prompt if prompt else None

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.loadtest.evaluate import TargetResult
+from pdserve.loadtest.metrics import prefix_hit_rate
 from pdserve.loadtest.slo import SLO
 
 
@@ -22,6 +23,10 @@ def _fmt(value: float | None, digits: int = 0) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0%}"
+
+
 def winner_of(targets: list[TargetResult]) -> TargetResult | None:
     """The target with the highest goodput; None on a tie at the top or when none met the target."""
     ranked = sorted(targets, key=lambda t: t.sweep.goodput, reverse=True)
@@ -30,17 +35,38 @@ def winner_of(targets: list[TargetResult]) -> TargetResult | None:
     return ranked[0]
 
 
+def ttft_p50_ms(t: TargetResult, rate: float) -> float | None:
+    run = t.runs.get(rate)
+    return None if run is None else run.summary.ttft_ms["p50"]
+
+
+def overall_prefix_hit_rate(t: TargetResult) -> float | None:
+    """Over every run of the target's sweep (the rates a sweep visits differ between targets)."""
+    return prefix_hit_rate([r for run in t.runs.values() for r in run.results])
+
+
+def prefix_hit_rate_at(t: TargetResult, rate: float) -> float | None:
+    run = t.runs.get(rate)
+    return None if run is None else run.summary.prefix_hit_rate
+
+
 def summary_dict(targets: list[TargetResult], slo: SLO, cdf_rate: float, target_attainment: float,
                  meta: dict[str, Any]) -> dict[str, Any]:
     baseline, winner = targets[0], winner_of(targets)
     out_targets = []
+    base_ttft = ttft_p50_ms(baseline, cdf_rate)
     for t in targets:
+        ttft = ttft_p50_ms(t, cdf_rate)
         points = [{"rate": r, "attainment": t.sweep.points[r], "goodput": t.goodput_at(r),
                    "summary": t.runs[r].summary.to_dict()} for r in sorted(t.sweep.points)]
         out_targets.append({
             "name": t.name, "system": t.system, "idle": t.idle.to_dict() if t.idle else None,
             "goodput": t.sweep.goodput, "goodput_capped": t.sweep.capped, "bracket": list(t.sweep.bracket),
-            "goodput_vs_baseline": ratio(t.sweep.goodput, baseline.sweep.goodput), "points": points,
+            "goodput_vs_baseline": ratio(t.sweep.goodput, baseline.sweep.goodput),
+            "prefix_hit_rate": overall_prefix_hit_rate(t),
+            "prefix_hit_rate_at_cdf_rate": prefix_hit_rate_at(t, cdf_rate), "ttft_p50_ms": ttft,
+            "ttft_p50_vs_baseline": ratio(ttft, base_ttft) if ttft is not None and base_ttft else None,
+            "points": points,
         })
     return {
         **meta, "slo": slo.to_dict(), "attainment_target": target_attainment, "cdf_rate": cdf_rate,
@@ -123,6 +149,20 @@ def summary_markdown(targets: list[TargetResult], slo: SLO, cdf_rate: float, met
             f"| {' / '.join(_fmt(s.ttft_ms[k]) for k in ('p50', 'p90', 'p99'))} "
             f"| {' / '.join(_fmt(s.tpot_ms[k], 1) for k in ('p50', 'p90', 'p99'))} | {_fmt(s.itl_ms['p99'], 1)} "
             f"| {c.completed} / {c.total} | {c.rejected} | {c.errors} | {c.cancelled} |")
+    if any(overall_prefix_hit_rate(t) for t in targets):
+        base_ttft = ttft_p50_ms(baseline, cdf_rate)
+        lines += ["", "## Prefix cache", "",
+                  ("Prompt tokens the server reported cached (`usage.prompt_tokens_details.cached_tokens`) over "
+                   "prompt tokens of completed requests; a TTFT p50 ratio below 1: earlier first tokens than "
+                   f"`{baseline.name}`."), "",
+                  (f"| target | prefix hit rate (all runs) | at {cdf_rate:g} req/s "
+                   f"| TTFT p50 at {cdf_rate:g} req/s (ms) | TTFT p50 vs `{baseline.name}` |"),
+                  "|---|---:|---:|---:|---:|"]
+        for t in targets:
+            ttft = ttft_p50_ms(t, cdf_rate)
+            lines.append(f"| `{t.name}` | {_pct(overall_prefix_hit_rate(t))} "
+                         f"| {_pct(prefix_hit_rate_at(t, cdf_rate))} | {_fmt(ttft)} "
+                         f"| {_fmt_ratio(ratio(ttft, base_ttft) if ttft is not None and base_ttft else None)} |")
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     return "\n".join(lines)
 

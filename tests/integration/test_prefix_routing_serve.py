@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -52,6 +53,15 @@ def _pulled(url: str) -> float:
     return 0.0
 
 
+async def _stream(url: str, prompt: list[int]):
+    from pdserve.loadtest.client import RequestResult, new_client, send
+    from pdserve.loadtest.workloads import RequestSpec
+
+    async with new_client(1) as client:
+        result = RequestResult(0, len(prompt), 4, 0.0)
+        return await send(client, url, "tiny", RequestSpec(tuple(prompt), 4), result, time.perf_counter())
+
+
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 380) for _ in range(n)]
 
@@ -83,6 +93,9 @@ def test_kv_aware_sends_every_turn_to_its_history(ray_serve):
                     assert _cached(reply) >= (len(history) - 41) // BS * BS, (turn, i)
                 chats[i] = history + _tokens(rng, 40)
         assert sum(_samples(url, "pdserve_prefix_cache_hit_tokens_total", role="decode", source="local")) > 0
+        # the load generator reads the same figure from the streamed usage chunk
+        streamed = asyncio.run(_stream(url, chats[0]))
+        assert streamed.ok and streamed.cached_tokens >= (len(chats[0]) - 41) // BS * BS
     finally:
         ray_serve.delete("pdserve-kv-aware")
 
