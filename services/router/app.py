@@ -211,6 +211,9 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
             first = await first_event(events, self.config.retry_after_s)
         except APIError as err:
             return self._reject(err, endpoint)
+        except asyncio.CancelledError:  # the client left before the response started
+            self.api_metrics.requests.labels(endpoint, "client_disconnected").inc()
+            raise
         events = prepend(first, events)
         count = self.api_metrics.requests.labels
         if prepared.stream:  # counted when it ends: a failure after the 200 has a label of its own

@@ -9,6 +9,7 @@ exception raised, which is how Serve carries a user status through the proxy.
 # No `from __future__ import annotations`: the methods are inspected by Serve on an ingress class
 # whose other methods FastAPI reads; keep every annotation a real object.
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -153,10 +154,13 @@ class GrpcServiceMixin:
                 yield pb.GenerateResponse(id=meta.id, model=meta.model, usage=pb.Usage(
                     prompt_tokens=prompt_tokens, completion_tokens=num_tokens,
                     total_tokens=prompt_tokens + num_tokens))
-        except Exception as exc:  # cancellation is a BaseException: it only runs the finally
+        except Exception as exc:
             err = upstream_error(exc, self.config.retry_after_s)
             status = "error_after_first_token" if num_tokens else str(err.status)
             raise _abort(grpc_context, grpc_status(err.status), err.message, request_id) from None
+        except (GeneratorExit, asyncio.CancelledError):  # the client cancelled the call
+            status = "client_disconnected"
+            raise
         finally:
             self.api_metrics.requests.labels("grpc_generate", status).inc()
             if source is not None:

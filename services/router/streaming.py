@@ -7,6 +7,7 @@ SSE chunk carrying `error`, followed by `[DONE]`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -84,8 +85,8 @@ async def sse_stream(
 ) -> AsyncIterator[bytes]:
     """`interval_s`: None writes each event on its own; 0 coalesces (a write per batch of what arrived
     meanwhile, the first at once); > 0 also caps writes at one per interval. `on_write(num_events)` counts;
-    `on_end(status)` is told how the stream ended: "200", or "error_after_first_token" when a failure
-    after the 200 went out ended it.
+    `on_end(status)` is told how the stream ended: "200", "error_after_first_token" when a failure
+    after the 200 went out ended it, or "client_disconnected" when the client left first.
     Echoed prompt text (with logprobs, the prompt tokens' logprobs too) leads each choice's first chunk;
     with continuous usage every chunk carries the usage so far, and with include_usage a last chunk carries
     the total."""
@@ -129,6 +130,9 @@ async def sse_stream(
     except Exception as exc:  # the 200 went out already: the error travels in the stream
         status = "error_after_first_token"
         yield oa.sse(upstream_error(exc, 0).body())
+    except (GeneratorExit, asyncio.CancelledError):  # the client left: the stream is closed under us
+        status = "client_disconnected"
+        raise
     finally:
         await source.aclose()  # first: a coalescing source reads `events` in a task of its own
         await events.aclose()

@@ -19,6 +19,7 @@ from pdserve.worker import WorkerConfig  # noqa: E402
 APP = "fault-disconnect"
 PROMPT = "A client that goes away right after its first token must cost the decode replica nothing. " * 6
 NUM_DISCONNECTS = 50
+HEALTH_BOUND_S = 1.5  # the client's timeout on /health: a slower answer fails the test
 LEASE_TTL_S = 30.0
 
 
@@ -45,6 +46,8 @@ def test_fifty_disconnects_after_the_first_token(url, ray_serve, replica_pids):
             with client.stream("POST", f"{url}/v1/completions", json={**body, "prompt": f"{i} {PROMPT}"}) as resp:
                 assert resp.status_code == 200
                 next(resp.iter_raw())  # the first token, then the client goes
+            if i % 10 == 9:  # /health answers within the bound meanwhile, and stays ready
+                assert client.get(f"{url}/health", timeout=HEALTH_BOUND_S).status_code == 200
     assert replica_pids(APP, "decode") == [decode_pid]
     # every block and lease back well before the lease TTL
     handles = [ray_serve.get_deployment_handle(n, app_name=APP) for n in ("prefill", "decode")]

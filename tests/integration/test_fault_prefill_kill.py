@@ -25,6 +25,7 @@ APP = "fault-prefill"
 PROMPT = "Every prefill in this test takes a while, so that several are in flight when it dies. " * 12
 NUM_REQUESTS = 12
 MAX_TOKENS = 24
+HEALTH_BOUND_S = 1.5  # the client's timeout on /health: a slower answer fails the test
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +70,15 @@ def test_a_prefill_replica_killed_with_requests_in_flight_gives_no_500(url, repl
             tasks = [asyncio.create_task(_one(client, url, i, first)) for i in range(NUM_REQUESTS)]
             await first.wait()  # one prefill is done: the others are queued or running on the replica
             os.kill(pid, signal.SIGKILL)
-            return await asyncio.gather(*tasks)
+            health = []
+            while not all(t.done() for t in tasks):  # /health is timed throughout the fault
+                resp = await client.get(f"{url}/health", timeout=HEALTH_BOUND_S)
+                health.append((resp.status_code, resp.headers.get("retry-after")))
+                await asyncio.sleep(0.1)
+            return await asyncio.gather(*tasks), health
 
-    results = asyncio.run(main())
+    results, health = asyncio.run(main())
+    assert health and all(status == 200 or (status == 503 and retry) for status, retry in health), health
     statuses = [status for status, _, _ in results]
     assert 500 not in statuses and set(statuses) <= {200, 503}, statuses
     for status, headers, events in results:

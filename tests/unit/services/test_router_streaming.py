@@ -150,3 +150,19 @@ def test_a_lagging_writer_sends_fewer_larger_writes_with_the_same_events():
     assert b"".join(parts) == b"".join(plain)  # the same bytes, in fewer writes
     assert sum(coalesced) == sum(singles) == 30 and singles == [1] * 30
     assert coalesced[0] == 1 and len(coalesced) < 30
+
+
+def test_a_client_that_leaves_mid_stream_is_counted_as_disconnected():
+    """Closing the stream (what Starlette does when the client goes) is neither a 200 nor an error."""
+    meta = oa.ResponseMeta("cmpl-1", "tiny", False)
+    ended: list[str] = []
+
+    async def main():
+        events = Events([_event("a"), _event("b"), _event("c", True)])
+        stream = sse_stream(meta, _prepared(), events, ByteTokenizer(), interval_s=None, on_end=ended.append)
+        await stream.__anext__()
+        await stream.aclose()
+        return events
+
+    events = asyncio.run(main())
+    assert ended == ["client_disconnected"] and events.closed
