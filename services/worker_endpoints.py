@@ -28,6 +28,16 @@ class WorkerEndpoints:
     prefix_puller: PrefixPuller | None = None  # the Redis tier, when the KV transport is redis
     transport: KVTransport | None = None  # the KV handoff's transport
 
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: stop taking link calls, end the engine's streams, close the KV
+        transport (its listener and connections) and flush the tracer, in that order."""
+        if self.link is not None:
+            await self.link.stop(grace_s=1.0)
+        await self.engine.close()
+        if self.transport is not None:
+            await self.transport.close()
+        self.telemetry.close()
+
     def stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.stats())
 

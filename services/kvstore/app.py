@@ -59,6 +59,11 @@ class KVStoreDeployment:
         self.probe.start()
         return self.probe.state()
 
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: the probe and the store's Redis connections."""
+        await self.probe.close()
+        await self.store.close()
+
     async def check_health(self) -> None:
         # Serve's replica health check; an unreachable Redis degrades lookups but keeps the replica.
         return None

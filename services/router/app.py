@@ -127,6 +127,14 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         if self.redis_tier is not None:
             self.metrics.watch_redis(self.redis_tier)
 
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: stop polling, close the worker links, flush the tracer."""
+        await self.placer.close()
+        if self.redis_tier is not None:
+            await self.redis_tier.close()
+        await self.links.close()
+        self.telemetry.close()
+
     # ---- open endpoints
 
     @fastapi_app.get("/health")
