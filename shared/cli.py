@@ -39,7 +39,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.target == "engine":
         from pdserve.bench.engine import run
 
-        result = run(quick=args.quick, seed=args.seed, model=args.model)
+        result = run(quick=args.quick, seed=args.seed, model=args.model, pack_weights=not args.no_pack_weights)
     elif args.target == "kernels":
         from pdserve.bench.kernels import run
 
@@ -56,7 +56,7 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.target == "spec":
         from pdserve.bench.spec import run
 
-        result = run(quick=args.quick, model=args.model)
+        result = run(quick=args.quick, model=args.model, pack_weights=not args.no_pack_weights)
     else:
         raise SystemExit(f"unknown bench target {args.target!r}")
     print(json.dumps(result, indent=None if args.json else 2))
@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--no-pack-weights", action="store_true",
+                       help="engine, spec: CPU linears through MKL only (no oneDNN-packed copy), for attribution")
     bench.add_argument("--model", default=None,
                        help="engine: a model name or path (default: a random 125M Llama built in the cache)")
     bench.set_defaults(func=_bench)

@@ -86,6 +86,7 @@ class EngineConfig:
     # None: triton on CUDA, torch elsewhere (PDSERVE_ATTENTION_BACKEND overrides); "torch" | "triton" forces
     attention_backend: str | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    pack_weights: bool = True  # CPU: linear weights reordered once for oneDNN (pdserve.models.linear)
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -91,7 +91,7 @@ def _hf_run(model, workload: list[tuple[list[int], int]], batch_size: int) -> fl
     return time.perf_counter() - start
 
 
-def run(quick: bool = False, seed: int = 0, model: str | None = None) -> dict:
+def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weights: bool = True) -> dict:
     import transformers
 
     path = build_bench_model() if model is None else resolve_model_path(model)
@@ -104,7 +104,7 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None) -> dict:
     llm = LLM(EngineConfig(
         model=str(path), device="cpu", dtype="float32",
         cache=CacheConfig(block_size=16, memory_budget_bytes=2 << 30, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048), pack_weights=pack_weights,
     ))
     weight_bytes = streamed_weight_bytes(llm.engine.runner.model)
     _pdserve_run(llm, [(b1[0][0], 8)])  # warm-up
@@ -128,6 +128,7 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None) -> dict:
         "bench": "engine",
         "model": f"{label} fp32 cpu",
         "threads": threads,
+        "pack_weights": pack_weights,
         "weight_bytes": weight_bytes,
         "num_mixed_requests": len(mixed),
         "mixed_output_tokens": mixed_tokens,

@@ -63,9 +63,9 @@ def _log(message: str) -> None:
     print(f"[bench spec] {message}", file=sys.stderr, flush=True)
 
 
-def _engine(model: str, speculative: SpeculativeConfig | None) -> LLMEngine:
+def _engine(model: str, speculative: SpeculativeConfig | None, pack_weights: bool) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=model, device="cpu", dtype="float32", num_threads=1, speculative=speculative,
+        model=model, device="cpu", dtype="float32", num_threads=1, speculative=speculative, pack_weights=pack_weights,
         scheduler=SchedulerConfig(max_num_seqs=32, max_model_len=2048),
     ))
 
@@ -111,12 +111,15 @@ def _compare(plain: LLMEngine, spec: LLMEngine, batches: list[list[list[int]]], 
     }
 
 
-def run(quick: bool = False, model: str | None = None, speculative: SpeculativeConfig | None = None) -> dict:
+def run(
+    quick: bool = False, model: str | None = None, speculative: SpeculativeConfig | None = None,
+    pack_weights: bool = True,
+) -> dict:
     model = model or DEFAULT_MODEL
     speculative = speculative or SpeculativeConfig()
     torch.manual_seed(0)
     _log(f"loading {model} twice (with and without speculation)")
-    plain, spec = _engine(model, None), _engine(model, speculative)
+    plain, spec = _engine(model, None, pack_weights), _engine(model, speculative, pack_weights)
     tok = plain.tokenizer
 
     def chat(text: str) -> list[int]:
@@ -141,6 +144,7 @@ def run(quick: bool = False, model: str | None = None, speculative: SpeculativeC
         "num_speculative_tokens": speculative.num_speculative_tokens,
         "prompt_lookup": [speculative.prompt_lookup_min, speculative.prompt_lookup_max],
         "max_tokens": max_tokens,
+        "pack_weights": pack_weights,
         "speedup_repetitive_b1": round(rep["speedup"], 3),
         "speedup_open_b1": round(opn["speedup"], 3),
         "speedup_repetitive_b16": round(b16["speedup"], 3),

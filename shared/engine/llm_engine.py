@@ -38,7 +38,9 @@ class LLMEngine:
         model_dir = resolve_model_path(config.model)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         max_len = config.scheduler.max_model_len
-        model, self.model_config = load_model(model_dir, config.torch_dtype, config.device, max_positions=max_len)
+        model, self.model_config = load_model(
+            model_dir, config.torch_dtype, config.device, max_positions=max_len, pack_weights=config.pack_weights
+        )
         self.max_model_len = max_len or self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
             # No sliding-window attention here: cap the context where full attention is still exact.

@@ -13,22 +13,8 @@ from torch import nn
 
 from pdserve.models.attention import AttentionMetadata, paged_attention
 from pdserve.models.config import ModelConfig
+from pdserve.models.linear import Linear
 from pdserve.models.rotary import RotaryEmbedding
-
-
-class Linear(nn.Module):
-    """y = x @ weight + bias with weight stored [in, out]: on CPU, streaming a transposed
-    weight through matmul reads memory ~25% faster at batch 1 than F.linear's [out, in]."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(in_features, out_features))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return x @ self.weight
-        return torch.addmm(self.bias, x, self.weight) if x.dim() == 2 else x @ self.weight + self.bias
 
 
 class RMSNorm(nn.Module):

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.models.config import ModelConfig, load_model_config
+from pdserve.models.linear import pack_linears
 from pdserve.models.llama import MODEL_REGISTRY
 
 
@@ -44,8 +45,10 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: str, max_positions: int | None = None
+    model_dir: str | Path, dtype: torch.dtype, device: str, max_positions: int | None = None,
+    pack_weights: bool = False,
 ) -> tuple[torch.nn.Module, ModelConfig]:
+    """pack_weights: on CPU, reorder linear weights for oneDNN (pdserve.models.linear)."""
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     model_cls = MODEL_REGISTRY[config.architecture]
@@ -55,4 +58,7 @@ def load_model(
     missing = model.expected_weights() - filled
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights: {sorted(missing)[:8]}")
-    return model.eval().requires_grad_(False), config
+    model = model.eval().requires_grad_(False)
+    if pack_weights:
+        pack_linears(model)
+    return model, config
