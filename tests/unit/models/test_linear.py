@@ -62,3 +62,18 @@ def test_engine_packs_by_default_and_generates_the_same_tokens_unpacked():
         assert linears and all((m.packed is not None) == pack for m in linears)
         outputs[pack] = [o.token_ids for o in llm.generate(prompts, [params, params])]
     assert outputs[True] == outputs[False]
+
+
+def test_bench_linears_prints_both_paths_as_json():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("pdserve")
+    out = subprocess.run([str(script), "bench", "linears", "--quick", "--model", "tiny", "--json"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    result = json.loads(out)
+    assert result["bench"] == "linears" and result["rows"][0] == 1
+    for key in ("mkl_ms", "packed_ms", "speedup_packed", "mkl_ratio_to_one_row", "packed_ratio_to_one_row"):
+        assert len(result[key]) == len(result["rows"]) and all(v > 0 for v in result[key])
