@@ -2,7 +2,7 @@
 
 On CPU, MKL's sgemm is slow at a few rows (a decode verifying a draft, a small decode batch) on the
 AMD EPYC machines pdserve is developed on: SmolLM2-135M's linears take 31 ms for 1 row, 95 ms for 9
-and 108 ms for 16. oneDNN's inner product over a weight reordered once into its blocked layout takes
+and 108 ms for 16 (`pdserve bench linears`). oneDNN's inner product over a weight reordered once into its blocked layout takes
 38 and 52 ms for 9 and 16 rows, but 36 ms for 1 row, where MKL's GEMV streams the plain weight
 faster. So a packed layer keeps both: one row goes through the plain weight, more through the packed
 one. That doubles the weights' memory; `EngineConfig.pack_weights=False` turns packing off. Only CPU
