@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -342,8 +343,10 @@ def main(argv: list[str]) -> int:
 
         streaming["serve_env"] = dict(SERVE_LATENCY_ENV)
     env = dict(item.split("=", 1) for item in args.env)
-    result = run(args.requests, tuple(int(c) for c in args.concurrency.split(",")), args.prompt_tokens,
-                 args.output_tokens, args.seed, env, args.tracing, streaming, args.ingress,
-                 not args.no_grpc_handles, args.worker_niceness, args.isolated)
+    # stdout carries the JSON alone: Ray prints driver-side notices (e.g. a raylet's at shutdown) there
+    with contextlib.redirect_stdout(sys.stderr):
+        result = run(args.requests, tuple(int(c) for c in args.concurrency.split(",")), args.prompt_tokens,
+                     args.output_tokens, args.seed, env, args.tracing, streaming, args.ingress,
+                     not args.no_grpc_handles, args.worker_niceness, args.isolated)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -1,0 +1,20 @@
+"""`pdserve bench router --json` as users run it: real Serve apps, stdout one JSON object and nothing else."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_bench_router_json_is_the_only_stdout():
+    script = Path(sys.executable).with_name("pdserve")
+    done = subprocess.run(
+        [str(script), "bench", "router", "--json", "--requests", "4", "--concurrency", "1", "--output-tokens", "8"],
+        capture_output=True, text=True, timeout=420,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stdout[:2000]
+    result = json.loads(lines[0])
+    assert result["bench"] == "router" and result["concurrency_1"]
+    assert result["added_ttft_ms_p50"] is not None and result["tpot_ratio_c1"] > 0
