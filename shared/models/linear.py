@@ -47,10 +47,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 def pack_linears(model: nn.Module) -> int:
     """Pack every Linear of a CPU model whose dtype oneDNN supports; returns how many were packed."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is None]
+    if not all(can_pack(m.weight.device, m.weight.dtype) for m in linears):
+        return 0
     for module in linears:
-        if not can_pack(module.weight.device, module.weight.dtype):
-            return 0
-    with torch.inference_mode(False), torch.no_grad():
-        for module in linears:
-            module.pack()
+        module.pack()
     return len(linears)

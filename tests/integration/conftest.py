@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 import redis
 
+from pdserve.loadtest import soak_system
 from pdserve.redis_server import RedisServer, find_server_binary
 
 
@@ -107,21 +108,7 @@ def ray_serve():
         ray.shutdown()
 
 
-def _replica_pids(app: str, deployment: str) -> list[int]:
-    """Live processes whose title Ray set to `app`'s replica of `deployment` (`ray::ServeReplica:app:dep`)."""
-    title = f"ray::ServeReplica:{app}:{deployment}".encode()
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if (proc / "cmdline").read_bytes().startswith(title):
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-    return pids
-
-
 @pytest.fixture
 def replica_pids() -> Callable[[str, str], list[int]]:
     """pids of a Serve app's replicas of one deployment, for faults made real with kill -9."""
-    return _replica_pids
+    return soak_system.replica_pids
