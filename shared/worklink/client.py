@@ -1,59 +1,38 @@
-"""The router's end of the worker link: one channel per replica address, calls that raise the
-link's own errors (WorkerUnavailable for a replica that is gone) rather than gRPC's."""
+"""The router's end of the worker link: pooled connections per replica address, calls that raise the
+link's own errors (WorkerUnavailable for a replica that is gone or unreachable)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-
-import grpc
 
 from pdserve.contract import DecodeEvent, HandoffParams, PrefillResult, WorkerRequest
 from pdserve.worklink import codec
 from pdserve.worklink.errors import WorkerLinkError, WorkerOverloaded, WorkerUnavailable
-from pdserve.worklink.server import CHANNEL_OPTIONS, SERVICE, TOKEN_KEY
+from pdserve.worklink.frames import FrameError, FrameReader, Kind, Status, frame, parse_error, tune
 
-GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED)
-IDLE_CHANNEL_S = 300.0
-
-
-def link_error(exc: grpc.aio.AioRpcError) -> Exception:
-    code, details = exc.code(), exc.details() or ""
-    if code in GONE:
-        return WorkerUnavailable(f"{code.name}: {details}")
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return WorkerOverloaded(details)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValueError(details)
-    return WorkerLinkError(f"{code.name}: {details}")
+MAX_IDLE_PER_REPLICA = 64
+CONNECT_TIMEOUT_S = 5.0
+# a stream's frames the router has not read yet, before the connection stops reading from the socket
+PAUSE_AT, RESUME_AT = 256, 32
 
 
-class LinkStream:
-    """A decode call's events; `cancel()` ends the call (the worker aborts the request)."""
-
-    def __init__(self, call) -> None:
-        self._call = call
-
-    def cancel(self) -> None:
-        self._call.cancel()
-
-    async def __aiter__(self) -> AsyncIterator[DecodeEvent]:
-        try:
-            async for message in self._call:
-                yield codec.unpack_event(message)
-        except grpc.aio.AioRpcError as exc:
-            raise link_error(exc) from None
+def call_error(payload: bytes) -> Exception:
+    status, message = parse_error(payload)
+    if status == Status.RESOURCE_EXHAUSTED:
+        return WorkerOverloaded(message)
+    if status == Status.INVALID_ARGUMENT:
+        return ValueError(message)
+    if status == Status.UNAVAILABLE:
+        return WorkerUnavailable(message)
+    return WorkerLinkError(f"{status.name if status else 'UNKNOWN'}: {message}")
 
 
-class _Channel:
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.prefill = self.channel.unary_unary(f"/{SERVICE}/Prefill")
-        self.generate = self.channel.unary_stream(f"/{SERVICE}/Generate")
-        self.abort = self.channel.unary_unary(f"/{SERVICE}/Abort")
-        self.used_at = time.monotonic()
+def reusable(kind: Kind, payload: bytes) -> bool:
+    """Whether a connection whose call ended with this frame takes the next call (a refused token
+    ends the connection)."""
+    return kind in (Kind.DATA, Kind.END) or (kind == Kind.ERROR and parse_error(payload)[0] != Status.UNAUTHENTICATED)
 
 
 @dataclass(frozen=True)
@@ -64,48 +43,151 @@ class Link:
     token: str = field(repr=False)
 
     @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((TOKEN_KEY, self.token),)
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.address.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+class _Connection(asyncio.Protocol):
+    """Frames from the worker into a queue; a lost connection is a `None` at its end."""
+
+    def __init__(self) -> None:
+        self.reader = FrameReader()
+        self.frames: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+        self.paused = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        tune(transport)
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.frames.put_nowait(None)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for item in self.reader.feed(data):
+                self.frames.put_nowait(item)
+        except FrameError:
+            self.transport.abort()
+            return
+        if self.frames.qsize() >= PAUSE_AT and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+
+    async def next_frame(self) -> tuple[Kind, bytes]:
+        item = await self.frames.get()
+        if self.paused and self.frames.qsize() <= RESUME_AT:
+            self.paused = False
+            self.transport.resume_reading()
+        if item is None:
+            self.frames.put_nowait(None)  # stays closed for whoever asks next
+            raise WorkerUnavailable("the worker closed the link")
+        return item
+
+    def close(self) -> None:
+        self.closed = True
+        self.transport.abort()
+
+
+class LinkStream:
+    """A decode call's events; `cancel()` ends the call (the worker aborts the request). The call
+    starts when the stream is first iterated."""
+
+    def __init__(self, client: LinkClient, link: Link, payload: bytes) -> None:
+        self._client, self._link, self._payload = client, link, payload
+        self._connection: _Connection | None = None
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self._connection is not None:
+            self._connection.close()
+
+    async def __aiter__(self) -> AsyncIterator[DecodeEvent]:
+        if self._cancelled:
+            return
+        connection = self._connection = await self._client.send(self._link, Kind.GENERATE, self._payload)
+        ended = False
+        try:
+            while True:
+                kind, payload = await connection.next_frame()
+                if kind == Kind.DATA:
+                    yield codec.unpack_event(payload)
+                elif kind == Kind.END:
+                    ended = True
+                    return
+                else:
+                    ended = reusable(kind, payload)
+                    raise call_error(payload) if kind == Kind.ERROR else WorkerLinkError(f"unexpected {kind.name} frame")
+        finally:
+            self._client.done(self._link, connection, ended)
 
 
 class LinkClient:
     def __init__(self) -> None:
-        self._channels: dict[str, _Channel] = {}
-        self._closing: set[asyncio.Task] = set()
+        self._idle: dict[Link, list[_Connection]] = {}
 
-    def _channel(self, address: str) -> _Channel:
-        now = time.monotonic()
-        channel = self._channels.get(address)
-        if channel is None:
-            for old, c in list(self._channels.items()):  # replicas that went away leave idle channels
-                if now - c.used_at > IDLE_CHANNEL_S:
-                    del self._channels[old]
-                    self._closing.add(asyncio.get_running_loop().create_task(c.channel.close()))
-                    self._closing = {t for t in self._closing if not t.done()}
-            channel = self._channels[address] = _Channel(address)
-        channel.used_at = now
-        return channel
+    async def _connect(self, link: Link) -> _Connection:
+        # replicas that went away leave closed connections behind
+        self._idle = {k: live for k, v in self._idle.items() if (live := [c for c in v if not c.closed])}
+        host, port = link.host_port
+        try:
+            connect = asyncio.get_running_loop().create_connection(_Connection, host, port)
+            _, connection = await asyncio.wait_for(connect, CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError) as exc:
+            raise WorkerUnavailable(f"cannot reach the worker at {link.address}: {exc}") from None
+        connection.transport.write(frame(Kind.HELLO, link.token.encode()))
+        return connection
+
+    async def send(self, link: Link, kind: Kind, payload: bytes) -> _Connection:
+        """Starts a call on an idle connection to `link` (or a new one); its frames follow on it."""
+        idle = self._idle.get(link)
+        while idle:
+            connection = idle.pop()
+            if not connection.closed:
+                break
+        else:
+            connection = await self._connect(link)
+        connection.transport.write(frame(kind, payload))
+        return connection
+
+    def done(self, link: Link, connection: _Connection, clean: bool) -> None:
+        """A call on `connection` is over: back to the pool if it ended cleanly, closed if not (a
+        call cut short is cancelled on the worker by the close)."""
+        idle = self._idle.setdefault(link, [])
+        if clean and not connection.closed and len(idle) < MAX_IDLE_PER_REPLICA:
+            idle.append(connection)
+        elif not connection.closed:
+            connection.close()
+
+    async def unary(self, link: Link, kind: Kind, payload: bytes) -> bytes:
+        connection = await self.send(link, kind, payload)
+        clean = False
+        try:
+            reply, body = await connection.next_frame()
+            clean = reusable(reply, body)
+            if reply == Kind.ERROR:
+                raise call_error(body)
+            if reply != Kind.DATA:
+                raise WorkerLinkError(f"unexpected {reply.name} frame")
+            return body
+        finally:
+            self.done(link, connection, clean)
 
     async def prefill(self, link: Link, request: WorkerRequest) -> PrefillResult:
-        try:
-            reply = await self._channel(link.address).prefill(codec.pack_call(request), metadata=link.metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise link_error(exc) from None
-        return codec.unpack_result(reply)
+        return codec.unpack_result(await self.unary(link, Kind.PREFILL, codec.pack_call(request)))
 
     def generate(self, link: Link, request: WorkerRequest, handoff: HandoffParams | None = None,
                  first_token_id: int | None = None) -> LinkStream:
-        call = self._channel(link.address).generate(codec.pack_call(request, handoff, first_token_id),
-                                                    metadata=link.metadata)
-        return LinkStream(call)
+        return LinkStream(self, link, codec.pack_call(request, handoff, first_token_id))
 
     async def abort(self, link: Link, lease_id: str) -> bool:
-        try:
-            return await self._channel(link.address).abort(lease_id.encode(), metadata=link.metadata) == b"\x01"
-        except grpc.aio.AioRpcError as exc:
-            raise link_error(exc) from None
+        return await self.unary(link, Kind.ABORT, lease_id.encode()) == b"\x01"
 
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        for c in channels:
-            await c.channel.close()
+        idle, self._idle = self._idle, {}
+        for connections in idle.values():
+            for connection in connections:
+                connection.close()

@@ -1,4 +1,4 @@
-"""What a link call raises on the router side, by the gRPC status the worker (or the channel) gave."""
+"""What a link call raises on the router side, by the status the worker gave (or the connection's loss)."""
 
 from __future__ import annotations
 

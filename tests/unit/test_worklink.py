@@ -1,5 +1,6 @@
 """pdserve.worklink: the codec round-trips the contract exactly and refuses malformed bytes; a real
-gRPC server and client on loopback carry calls, cancellation, overload, failures and a dead peer."""
+link server and client on loopback carry calls, cancellation, overload, failures and a dead peer, and
+the framing refuses what breaks it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pdserve.contract import FallbackNotice, HandoffParams, PrefillResult, Prior
 from pdserve.sampling_params import SamplingParams
 from pdserve.worklink import (CodecError, Link, LinkClient, LinkServer, WorkerLinkError, WorkerOverloaded,
                               WorkerUnavailable, codec)
+from pdserve.worklink.frames import HEADER, MAX_FRAME_BYTES, Kind, frame
 
 REQUEST = WorkerRequest("r-1", (5, 6, 7), SamplingParams(max_tokens=9, temperature=0.7, seed=11, stop=("x", "yz"),
                                                           stop_token_ids=(3,), logprobs=2,
@@ -149,13 +151,9 @@ def test_failures_map_to_link_errors_without_internals():
             worker.release.set()
             assert (await slow).replica == "replica-p" and (await queued).replica == "replica-p"
             assert server.num_in_flight == server.num_queued == 0
-            channel = client._channel(link.address)
             with pytest.raises(ValueError):  # bytes the worker cannot decode: INVALID_ARGUMENT
-                try:
-                    await channel.prefill(b"\x93\x01\x02\x03", metadata=link.metadata)
-                except Exception as exc:
-                    from pdserve.worklink.client import link_error
-                    raise link_error(exc) from None
+                await client.unary(link, Kind.PREFILL, b"\x93\x01\x02\x03")
+            assert (await client.prefill(link, REQUEST)).replica == "replica-p"  # the connection still serves
         finally:
             await client.close()
             await server.stop()
@@ -193,6 +191,67 @@ def test_a_call_without_the_token_is_refused():
                 LinkServer("", prefill=worker.prefill)
         finally:
             await intruder.close()
+            await client.close()
+            await server.stop()
+    asyncio.run(main())
+
+
+def test_calls_reuse_pooled_connections_and_a_cut_call_closes_its_own():
+    async def main():
+        worker, server, link, client = await _pair()
+        try:
+            for _ in range(3):
+                await client.prefill(link, REQUEST)
+                assert [e async for e in client.generate(link, REQUEST)][-1].finished
+            assert len(server.connections) == 1
+            worker.closed.clear()
+            stream = client.generate(link, WorkerRequest("slow", (1,), SamplingParams(max_tokens=50)))
+            it = aiter(stream)
+            await anext(it)
+            await it.aclose()  # the router stopped reading: the worker side ends too
+            await asyncio.wait_for(worker.closed.wait(), 5)
+            while server.num_in_flight:  # released as the cancelled call unwinds
+                await asyncio.sleep(0.01)
+            assert (await client.prefill(link, REQUEST)).replica == "replica-p"
+        finally:
+            await client.close()
+            await server.stop()
+    asyncio.run(main())
+
+
+def test_a_worker_that_stops_mid_stream_is_unavailable():
+    async def main():
+        worker, server, link, client = await _pair()
+        try:
+            it = aiter(client.generate(link, WorkerRequest("slow", (1,), SamplingParams(max_tokens=50))))
+            await anext(it)
+            await server.stop()
+            with pytest.raises(WorkerUnavailable):
+                while True:
+                    await anext(it)
+            assert worker.closed.is_set()
+        finally:
+            await client.close()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("data", [
+    HEADER.pack(MAX_FRAME_BYTES + 1, Kind.PREFILL),  # over the size limit
+    frame(99),  # no such kind
+    frame(Kind.HELLO, b"the-token") + frame(Kind.HELLO, b"the-token"),  # HELLO twice
+    frame(Kind.HELLO, b"the-token") + frame(Kind.DATA, b"x"),  # a worker's frame from the client
+])
+def test_a_connection_that_breaks_the_framing_is_closed(data):
+    async def main():
+        worker, server, link, client = await _pair()
+        try:
+            host, port = link.host_port
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(data)
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing answered
+            writer.close()
+            assert worker.seen == [] and server.num_in_flight == 0
+        finally:
             await client.close()
             await server.stop()
     asyncio.run(main())
