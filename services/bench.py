@@ -321,8 +321,9 @@ def main(argv: list[str]) -> int:
                    help="also run the disaggregated app tracing every request (sampling 1.0) to a local OTLP sink")
     p.add_argument("--no-coalesce", action="store_true", help="one message per token on every hop (attribution)")
     p.add_argument("--stream-interval-ms", type=float, default=0.0, help="cap stream messages at one per interval")
-    p.add_argument("--serve-latency-env", action="store_true",
-                   help="workers run user code and the handle router on their event loop (SERVE_LATENCY_ENV)")
+    p.add_argument("--serve-threads", action="store_true",
+                   help="replicas run user code and the handles' router on Serve's own thread and loop (Serve's "
+                        "defaults; pdserve serve runs them on the replica's event loop) (attribution)")
     p.add_argument("--ingress", choices=["direct", "proxy"], default="direct",
                    help="how HTTP reaches the router (pdserve serve's default: direct)")
     p.add_argument("--no-worker-link", action="store_true",
@@ -338,11 +339,11 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     streaming: dict[str, Any] = {"stream_coalesce": not args.no_coalesce, "stream_interval_ms": args.stream_interval_ms,
                                  "worker_link": not args.no_worker_link}
-    if args.serve_latency_env:
-        from pdserve.worker import SERVE_LATENCY_ENV
-
-        streaming["serve_env"] = dict(SERVE_LATENCY_ENV)
     env = dict(item.split("=", 1) for item in args.env)
+    if args.serve_threads:
+        from pdserve.serve_env import SERVE_LATENCY_ENV
+
+        env.update({key: "1" for key in SERVE_LATENCY_ENV})
     # stdout carries the JSON alone: Ray prints driver-side notices (e.g. a raylet's at shutdown) there
     with contextlib.redirect_stdout(sys.stderr):
         result = run(args.requests, tuple(int(c) for c in args.concurrency.split(",")), args.prompt_tokens,

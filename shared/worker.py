@@ -14,10 +14,6 @@ from pdserve.kvcache.transports import KVTransport, create_transport
 from pdserve.kvcache.transports.ucx_env import UCXConfig
 
 UCX_HOST_ENV = "PDSERVE_UCX_HOST"
-# Ray Serve LLM's replica settings (user code and the handle's router on the replica's own event loop).
-# Measured here (pdserve bench router, 2 cores, tiny): no gain (added TTFT p50 29.7 ms with, 25.3 ms without;
-# TPOT ratio 1.73 both), so replicas keep Serve's defaults; WorkerConfig.serve_env opts in.
-SERVE_LATENCY_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 class SpeculativeSettings(BaseModel):
@@ -72,7 +68,7 @@ class WorkerConfig(BaseModel):
     # stream_interval_ms > 0 caps messages at one per interval
     stream_coalesce: bool = True
     stream_interval_ms: float = Field(0.0, ge=0, le=10_000)
-    # environment of the replica process (Ray Serve settings, e.g. SERVE_LATENCY_ENV); {}: Serve's defaults
+    # extra environment of this role's replica processes (e.g. Ray Serve settings); {}: what Ray was started with
     serve_env: dict[str, str] = Field(default_factory=dict)
     # n-gram speculative decoding in this role's engine (decode); None: off
     speculative: SpeculativeSettings | None = None
