@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 HEADER = struct.Struct("!IB")
 MAX_FRAME_BYTES = 64 << 20
+MAX_HELLO_BYTES = 1024  # what a connection may send before its token is checked
 
 
 class Kind(enum.IntEnum):
@@ -62,15 +63,16 @@ def parse_error(payload: bytes) -> tuple[Status | None, str]:
 class FrameReader:
     """Frames out of a byte stream that arrives in arbitrary pieces."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buffer = bytearray()
+        self.max_bytes = max_bytes
 
     def feed(self, data: bytes) -> Iterator[tuple[Kind, bytes]]:
         self._buffer += data
         while len(self._buffer) >= HEADER.size:
             length, kind = HEADER.unpack_from(self._buffer)
-            if length > MAX_FRAME_BYTES:
-                raise FrameError(f"frame of {length} bytes over the {MAX_FRAME_BYTES}-byte limit")
+            if length > self.max_bytes:
+                raise FrameError(f"frame of {length} bytes over the {self.max_bytes}-byte limit")
             if kind not in Kind._value2member_map_:
                 raise FrameError(f"unknown frame kind {kind}")
             end = HEADER.size + length

@@ -26,7 +26,8 @@ from contextlib import aclosing
 
 from pdserve.contract import DecodeEvent, HandoffParams, PrefillResult, WorkerRequest
 from pdserve.worklink import codec
-from pdserve.worklink.frames import CALLS, FrameError, FrameReader, Kind, Status, error_frame, frame, tune
+from pdserve.worklink.frames import (CALLS, MAX_FRAME_BYTES, MAX_HELLO_BYTES, FrameError, FrameReader, Kind, Status,
+                                     error_frame, frame, tune)
 
 logger = logging.getLogger(__name__)
 
@@ -58,21 +59,23 @@ class LinkServer:
         self.address: str | None = None
         self._server: asyncio.Server | None = None
         self.connections: set[_Connection] = set()
+        self.stopping = False
 
     async def start(self, host: str) -> str:
         """Binds `host` on a free port (idempotent); returns "host:port"."""
         if self._server is None:
             server = await asyncio.get_running_loop().create_server(lambda: _Connection(self), host, 0)
             port = server.sockets[0].getsockname()[1]
-            self._server, self.address = server, f"{host}:{port}"
+            self._server, self.address, self.stopping = server, f"{host}:{port}", False
         return self.address
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Stops taking connections; with `grace_s`, calls in flight get that long to end."""
+        """Stops taking connections and calls (UNAVAILABLE: the router goes elsewhere); with `grace_s`,
+        calls in flight get that long to end."""
         if self._server is None:
             return
         self._server.close()
-        self._server = None
+        self._server, self.stopping = None, True
         running = [c.call for c in self.connections if c.call is not None]
         if grace_s and running:
             await asyncio.wait(running, timeout=grace_s)
@@ -105,7 +108,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: LinkServer) -> None:
         self.server = server
-        self.reader = FrameReader()
+        self.reader = FrameReader(MAX_HELLO_BYTES)
         self.authenticated: bool | None = None  # None: no HELLO yet
         self.call: asyncio.Task | None = None
         self.writable = asyncio.Event()
@@ -139,10 +142,15 @@ class _Connection(asyncio.Protocol):
     def _on_frame(self, kind: Kind, payload: bytes) -> None:
         if kind == Kind.HELLO and self.authenticated is None:
             self.authenticated = hmac.compare_digest(payload, self.server.token)
+            if self.authenticated:
+                self.reader.max_bytes = MAX_FRAME_BYTES
         elif kind in CALLS and self.call is None:
             if not self.authenticated:
                 self.transport.write(error_frame(Status.UNAUTHENTICATED, "missing or wrong link token"))
                 self.transport.close()
+                return
+            if self.server.stopping:
+                self.transport.write(error_frame(Status.UNAVAILABLE, "replica is shutting down"))
                 return
             self.call = asyncio.get_running_loop().create_task(self._run(kind, payload))
         else:

@@ -13,7 +13,7 @@ from pdserve.contract import FallbackNotice, HandoffParams, PrefillResult, Prior
 from pdserve.sampling_params import SamplingParams
 from pdserve.worklink import (CodecError, Link, LinkClient, LinkServer, WorkerLinkError, WorkerOverloaded,
                               WorkerUnavailable, codec)
-from pdserve.worklink.frames import HEADER, MAX_FRAME_BYTES, Kind, frame
+from pdserve.worklink.frames import HEADER, MAX_FRAME_BYTES, MAX_HELLO_BYTES, Kind, frame
 
 REQUEST = WorkerRequest("r-1", (5, 6, 7), SamplingParams(max_tokens=9, temperature=0.7, seed=11, stop=("x", "yz"),
                                                           stop_token_ids=(3,), logprobs=2,
@@ -219,6 +219,29 @@ def test_calls_reuse_pooled_connections_and_a_cut_call_closes_its_own():
     asyncio.run(main())
 
 
+def test_a_stopping_worker_refuses_new_calls_as_unavailable_and_lets_running_ones_end():
+    async def main():
+        worker, server, link, client = await _pair()
+        try:
+            # two pooled connections: the slow call takes one, the stop leaves the other open during its grace
+            await asyncio.gather(client.prefill(link, REQUEST), client.prefill(link, REQUEST))
+            assert len(server.connections) == 2
+            slow = asyncio.ensure_future(client.prefill(link, WorkerRequest("slow", (1,), SamplingParams())))
+            while server.num_in_flight == 0:
+                await asyncio.sleep(0.01)
+            stopping = asyncio.ensure_future(server.stop(grace_s=5))
+            await asyncio.sleep(0.05)
+            with pytest.raises(WorkerUnavailable, match="shutting down"):
+                await client.prefill(link, REQUEST)
+            worker.release.set()
+            assert (await slow).replica == "replica-p"
+            await stopping
+        finally:
+            await client.close()
+            await server.stop()
+    asyncio.run(main())
+
+
 def test_a_worker_that_stops_mid_stream_is_unavailable():
     async def main():
         worker, server, link, client = await _pair()
@@ -236,7 +259,8 @@ def test_a_worker_that_stops_mid_stream_is_unavailable():
 
 
 @pytest.mark.parametrize("data", [
-    HEADER.pack(MAX_FRAME_BYTES + 1, Kind.PREFILL),  # over the size limit
+    frame(Kind.HELLO, b"the-token") + HEADER.pack(MAX_FRAME_BYTES + 1, Kind.PREFILL),  # over the size limit
+    HEADER.pack(MAX_HELLO_BYTES + 1, Kind.HELLO),  # a large frame before the token was checked
     frame(99),  # no such kind
     frame(Kind.HELLO, b"the-token") + frame(Kind.HELLO, b"the-token"),  # HELLO twice
     frame(Kind.HELLO, b"the-token") + frame(Kind.DATA, b"x"),  # a worker's frame from the client
