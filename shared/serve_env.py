@@ -13,8 +13,9 @@ Ray workers run at nice 0 (Ray's default is 15), and deployment handles use Serv
 sender and receiver a gRPC message instead of a Ray object report, which on 2 cores cut the router's
 CPU per token by more than half. Every replica runs its user code and its handles' router on its own
 event loop (`SERVE_LATENCY_ENV`, as Ray Serve LLM runs its LLM replicas) instead of Serve's separate
-thread and loop: with the worker link, that took the router's added TTFT from 6.8-7.7 ms to 5.2-5.6 ms
-(`pdserve bench router`, 2 cores; `--serve-threads` measures Serve's defaults).
+thread and loop: in a 96-request A/B with the worker link (`pdserve bench router`, 2 cores), added TTFT
+6.0 / 7.9 ms and TPOT ratio 1.13 / 1.13 against 8.3 / 7.9 ms and 1.19 / 1.21 (`--serve-threads`
+measures Serve's defaults).
 
 The settings are environment variables read when Serve's modules load, so they must be in the
 environment of the process that starts Ray, before `ray.init`, and so in every Ray worker.
