@@ -120,7 +120,9 @@ class LinkStream:
                     return
                 else:
                     ended = reusable(kind, payload)
-                    raise call_error(payload) if kind == Kind.ERROR else WorkerLinkError(f"unexpected {kind.name} frame")
+                    if kind == Kind.ERROR:
+                        raise call_error(payload)
+                    raise WorkerLinkError(f"unexpected {kind.name} frame")
         finally:
             self._client.done(self._link, connection, ended)
 

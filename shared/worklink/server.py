@@ -189,11 +189,9 @@ class _Connection(asyncio.Protocol):
         except Exception as exc:
             logger.exception("worker link call failed", exc_info=exc)
             self._finish(error_frame(Status.INTERNAL, "worker failed"))
-        finally:
+        finally:  # every path but cancellation (the connection is gone) ended in _finish, which freed `call`
             if admitted:
                 server.release()
-            if self.call is asyncio.current_task():
-                self.call = None
 
     def _finish(self, last: bytes) -> None:
         """The call's last frame; the connection takes the next call from here on."""

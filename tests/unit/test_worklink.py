@@ -5,6 +5,7 @@ the framing refuses what breaks it."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 import msgpack
 import pytest
@@ -91,34 +92,36 @@ class Worker:
         return lease_id == "lease-1"
 
 
-async def _pair(ongoing: int = 8, queued: int = 8):
+@asynccontextmanager
+async def _linked(ongoing: int = 8, queued: int = 8):
+    """(worker, server, link, client) on loopback; the client closed and the server stopped after."""
     worker = Worker()
     server = LinkServer("the-token", prefill=worker.prefill, generate=worker.generate, abort=worker.abort,
                         max_ongoing=ongoing, max_queued=queued)
     address = await server.start("127.0.0.1")
-    return worker, server, Link(address, "the-token"), LinkClient()
+    client = LinkClient()
+    try:
+        yield worker, server, Link(address, "the-token"), client
+    finally:
+        await client.close()
+        await server.stop()
 
 
 def test_link_carries_prefill_decode_and_abort():
     async def main():
-        worker, server, link, client = await _pair()
-        try:
+        async with _linked() as (worker, server, link, client):
             assert await client.prefill(link, REQUEST) == PrefillResult(BATCH, HANDOFF, "replica-p")
             events = [e async for e in client.generate(link, REQUEST, HANDOFF, 42)]
             assert events[0] == FallbackNotice("import_failed")
             assert [e.token_ids for e in events[1:]] == [(i,) for i in range(9)] and events[-1].finished
             assert worker.seen[-1] == (REQUEST, HANDOFF, 42)
             assert await client.abort(link, "lease-1") and not await client.abort(link, "other")
-        finally:
-            await client.close()
-            await server.stop()
     asyncio.run(main())
 
 
 def test_cancelling_a_stream_closes_the_worker_side():
     async def main():
-        worker, server, link, client = await _pair()
-        try:
+        async with _linked() as (worker, server, link, client):
             stream = client.generate(link, WorkerRequest("slow", (1,), SamplingParams(max_tokens=50)))
             it = aiter(stream)
             await anext(it)
@@ -126,16 +129,12 @@ def test_cancelling_a_stream_closes_the_worker_side():
             stream.cancel()
             await asyncio.wait_for(worker.closed.wait(), 5)
             assert server.num_in_flight == 0
-        finally:
-            await client.close()
-            await server.stop()
     asyncio.run(main())
 
 
 def test_failures_map_to_link_errors_without_internals():
     async def main():
-        worker, server, link, client = await _pair(ongoing=1, queued=1)
-        try:
+        async with _linked(ongoing=1, queued=1) as (worker, server, link, client):
             with pytest.raises(WorkerLinkError) as failed:
                 await client.prefill(link, WorkerRequest("boom", (1,), SamplingParams()))
             assert not isinstance(failed.value, WorkerUnavailable)
@@ -154,52 +153,43 @@ def test_failures_map_to_link_errors_without_internals():
             with pytest.raises(ValueError):  # bytes the worker cannot decode: INVALID_ARGUMENT
                 await client.unary(link, Kind.PREFILL, b"\x93\x01\x02\x03")
             assert (await client.prefill(link, REQUEST)).replica == "replica-p"  # the connection still serves
-        finally:
-            await client.close()
-            await server.stop()
     asyncio.run(main())
 
 
 def test_a_dead_worker_is_unavailable():
     async def main():
-        worker, server, link, client = await _pair()
-        await server.stop()
-        try:
+        async with _linked() as (worker, server, link, client):
+            await server.stop()
             with pytest.raises(WorkerUnavailable):
                 await client.prefill(link, REQUEST)
             with pytest.raises(WorkerUnavailable):
                 async for _ in client.generate(link, REQUEST):
                     pass
-        finally:
-            await client.close()
     asyncio.run(main())
 
 
 def test_a_call_without_the_token_is_refused():
     async def main():
-        worker, server, link, client = await _pair()
-        intruder = LinkClient()
-        wrong = Link(link.address, "guessed")
-        try:
-            for call in (intruder.prefill(wrong, REQUEST), intruder.abort(wrong, "lease-1"),
-                         anext(aiter(intruder.generate(wrong, REQUEST)))):
-                with pytest.raises(WorkerLinkError) as refused:
-                    await call
-                assert "UNAUTHENTICATED" in str(refused.value)
-            assert worker.seen == []
-            with pytest.raises(ValueError):
-                LinkServer("", prefill=worker.prefill)
-        finally:
-            await intruder.close()
-            await client.close()
-            await server.stop()
+        async with _linked() as (worker, server, link, client):
+            intruder = LinkClient()
+            wrong = Link(link.address, "guessed")
+            try:
+                for call in (intruder.prefill(wrong, REQUEST), intruder.abort(wrong, "lease-1"),
+                             anext(aiter(intruder.generate(wrong, REQUEST)))):
+                    with pytest.raises(WorkerLinkError) as refused:
+                        await call
+                    assert "UNAUTHENTICATED" in str(refused.value)
+                assert worker.seen == []
+                with pytest.raises(ValueError):
+                    LinkServer("", prefill=worker.prefill)
+            finally:
+                await intruder.close()
     asyncio.run(main())
 
 
 def test_calls_reuse_pooled_connections_and_a_cut_call_closes_its_own():
     async def main():
-        worker, server, link, client = await _pair()
-        try:
+        async with _linked() as (worker, server, link, client):
             for _ in range(3):
                 await client.prefill(link, REQUEST)
                 assert [e async for e in client.generate(link, REQUEST)][-1].finished
@@ -213,16 +203,12 @@ def test_calls_reuse_pooled_connections_and_a_cut_call_closes_its_own():
             while server.num_in_flight:  # released as the cancelled call unwinds
                 await asyncio.sleep(0.01)
             assert (await client.prefill(link, REQUEST)).replica == "replica-p"
-        finally:
-            await client.close()
-            await server.stop()
     asyncio.run(main())
 
 
 def test_a_stopping_worker_refuses_new_calls_as_unavailable_and_lets_running_ones_end():
     async def main():
-        worker, server, link, client = await _pair()
-        try:
+        async with _linked() as (worker, server, link, client):
             # two pooled connections: the slow call takes one, the stop leaves the other open during its grace
             await asyncio.gather(client.prefill(link, REQUEST), client.prefill(link, REQUEST))
             assert len(server.connections) == 2
@@ -236,16 +222,12 @@ def test_a_stopping_worker_refuses_new_calls_as_unavailable_and_lets_running_one
             worker.release.set()
             assert (await slow).replica == "replica-p"
             await stopping
-        finally:
-            await client.close()
-            await server.stop()
     asyncio.run(main())
 
 
 def test_a_worker_that_stops_mid_stream_is_unavailable():
     async def main():
-        worker, server, link, client = await _pair()
-        try:
+        async with _linked() as (worker, server, link, client):
             it = aiter(client.generate(link, WorkerRequest("slow", (1,), SamplingParams(max_tokens=50))))
             await anext(it)
             await server.stop()
@@ -253,8 +235,6 @@ def test_a_worker_that_stops_mid_stream_is_unavailable():
                 while True:
                     await anext(it)
             assert worker.closed.is_set()
-        finally:
-            await client.close()
     asyncio.run(main())
 
 
@@ -267,15 +247,11 @@ def test_a_worker_that_stops_mid_stream_is_unavailable():
 ])
 def test_a_connection_that_breaks_the_framing_is_closed(data):
     async def main():
-        worker, server, link, client = await _pair()
-        try:
+        async with _linked() as (worker, server, link, client):
             host, port = link.host_port
             reader, writer = await asyncio.open_connection(host, port)
             writer.write(data)
             assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing answered
             writer.close()
             assert worker.seen == [] and server.num_in_flight == 0
-        finally:
-            await client.close()
-            await server.stop()
     asyncio.run(main())
