@@ -7,6 +7,7 @@ Tokens of one forward pass are packed: the first `num_decode_tokens` are decodes
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,14 @@ class DecodeGroup:
     @property
     def num_seqs(self) -> int:
         return self.block_tables.shape[0]
+
+    @cached_property
+    def padding(self) -> torch.Tensor | None:
+        """[n, 1, S] True past each sequence's context (S = max_context_len); None when nothing is padded."""
+        lens = self.context_lens
+        if self.num_seqs == 1 or bool((lens == self.max_context_len).all()):
+            return None
+        return (torch.arange(self.max_context_len, device=lens.device)[None, :] >= lens[:, None])[:, None, :]
 
 
 @dataclass(frozen=True)
@@ -84,26 +93,30 @@ def decode_attention(
     q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     # q: [D, H, Dh] -> out [D, H, Dh]
-    out = torch.empty_like(q) if len(meta.decode_groups) > 1 else None
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group_size = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    # [D, Hkv, G, Dh]: the query heads that share a KV head, side by side
+    queries = (q * scale).view(q.shape[0], num_kv_heads, group_size, head_dim)
+    outs = out.view(q.shape[0], num_kv_heads, group_size, head_dim)
     block_size = k_cache.shape[1]
     kbuf, vbuf = meta.workspace or (None, None)
     for group in meta.decode_groups:
         n, width = group.block_tables.shape
         span = group.max_context_len
         blocks = group.block_tables.flatten()
-        # k, v: [n, S, Hkv, Dh] -> [n, Hkv, S, Dh]
-        k = _gather(k_cache, blocks, kbuf, q.dtype).view(n, width * block_size, *k_cache.shape[2:])
-        v = _gather(v_cache, blocks, vbuf, q.dtype).view(n, width * block_size, *v_cache.shape[2:])
-        k, v = k[:, :span].transpose(1, 2), v[:, :span].transpose(1, 2)
-        mask = None
-        if n > 1:
-            positions = torch.arange(span, device=q.device)
-            mask = (positions[None, :] < group.context_lens[:, None])[:, None, None, :]
-        rows = q[group.start : group.start + n].unsqueeze(2)
-        result = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
-        if out is None:
-            return result
-        out[group.start : group.start + n] = result
+        # k, v: [n, S, Hkv, Dh], gathered once; each KV head is then a strided [n, S, Dh] view that
+        # bmm reads in place (no transposed copy, no mask over a padded batch for the common case)
+        k = _gather(k_cache, blocks, kbuf, q.dtype).view(n, width * block_size, num_kv_heads, head_dim)[:, :span]
+        v = _gather(v_cache, blocks, vbuf, q.dtype).view(n, width * block_size, num_kv_heads, head_dim)[:, :span]
+        padding = group.padding
+        rows = slice(group.start, group.start + n)
+        for h in range(num_kv_heads):
+            scores = torch.bmm(queries[rows, h], k[:, :, h].transpose(1, 2))  # [n, G, S]
+            if padding is not None:
+                scores.masked_fill_(padding, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            outs[rows, h] = torch.bmm(probs, v[:, :, h])  # [n, G, Dh]
     return out
 
 

@@ -76,6 +76,23 @@ def test_decode_agrees_with_engine_torch_path(dtype, group):
     assert_close(_decode(x, num_splits=2), engine, dtype)
 
 
+@pytest.mark.parametrize("seed,dtype,group,head_dim,block_size", CASES)
+def test_engine_torch_path_matches_reference(seed, dtype, group, head_dim, block_size):
+    # one padded group over the whole batch, gathered into a reused workspace as ModelRunner does
+    x = _decode_inputs(seed, dtype, group, head_dim, block_size)
+    lens = x.context_lens.tolist()
+    width = -(-max(lens) // block_size)
+    tables = x.block_tables[:, :width].to(torch.int64)
+    workspace = tuple(torch.full((tables.numel() + 3, *x.k_cache.shape[1:]), float("nan"), dtype=dtype)
+                      for _ in range(2))
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), len(lens),
+                             (DecodeGroup(0, tables, x.context_lens.to(torch.int64), max(lens)),), (),
+                             workspace=workspace)
+    out = decode_attention(x.q, x.k_cache, x.v_cache, meta, x.scale)
+    assert out.dtype == dtype and out.shape == x.q.shape
+    assert_close(out, _reference(x), dtype)
+
+
 @pytest.mark.parametrize(
     "batch,context,kv_heads,num_sms,expected",
     [
