@@ -57,6 +57,10 @@ def _bench(args: argparse.Namespace) -> int:
         from pdserve.bench.linears import run
 
         result = run(model=args.model, quick=args.quick)
+    elif args.target == "attention":
+        from pdserve.bench.decode_attention import run
+
+        result = run(model=args.model, quick=args.quick, seed=args.seed)
     elif args.target == "spec":
         from pdserve.bench.spec import run
 
@@ -138,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
-    bench.add_argument("target", choices=["engine", "kernels", "kvquant", "transfer", "router", "spec", "linears"],
+    bench.add_argument("target", choices=["engine", "kernels", "kvquant", "transfer", "router", "spec", "linears",
+                                            "attention"],
                        help="router: run by the `pdserve` console script (it needs the services)")
     bench.add_argument("--transports", default=None, help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh")
     bench.add_argument("--json", action="store_true", help="one-line JSON")

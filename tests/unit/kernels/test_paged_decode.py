@@ -114,3 +114,20 @@ def test_other_head_dims_and_block_sizes(head_dim, block_size):
     x = paged_inputs([1, 1], [45, 130], num_kv_heads=2, group=2, head_dim=head_dim, block_size=block_size,
                      dtype=torch.float32, decode=True, seed=head_dim)
     assert_close(_decode(x, num_splits=3), _reference(x), torch.float32)
+
+
+def test_bench_attention_prints_both_paths_as_json():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("pdserve")
+    out = subprocess.run([str(script), "bench", "attention", "--quick", "--model", "tiny", "--json"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    result = json.loads(out)
+    assert result["bench"] == "attention" and result["read_bw_gb_s"] > 0
+    assert [(c["batch"], c["context"]) for c in result["cases"]][:2] == [(1, 512), (1, 1500)]
+    for case in result["cases"]:
+        assert case["pdserve_ms"] > 0 and case["sdpa_ms"] > 0 and case["kv_bytes"] > 0
+        assert case["max_abs_diff"] < 1e-4  # both paths attend over the same blocks
