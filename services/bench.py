@@ -117,9 +117,9 @@ def _direct_one(engine, max_tokens: int):
     return one
 
 
-def _http_one(client, url: str, max_tokens: int):
+def _http_one(client, url: str, max_tokens: int, model: str):
     async def one(i: int, prompt: list[int]) -> Sample:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         start = time.perf_counter()
         ttft = None
@@ -168,13 +168,14 @@ def _start_sink(sink: list) -> dict[str, str]:
 def _routed(
     prompts, concurrencies, num_requests, max_tokens, env: dict[str, str], tracing=None,
     streaming: dict[str, Any] | None = None, ingress: str = "direct", grpc_handles: bool = True,
-    worker_niceness: int = 0, isolated: bool = False,
+    worker_niceness: int = 0, isolated: bool = False, model: str = "tiny",
 ) -> dict[str, dict[str, Any]]:
     import httpx
     import ray
     from ray import serve
 
     from pdserve.engine.async_engine import AsyncLLMEngine
+    from pdserve.models.resolve import served_model_name
     from pdserve.redis_server import free_port
     from pdserve.services.app import SystemConfig, build_system
     from pdserve.serve_env import app_ports, serve_env
@@ -184,7 +185,8 @@ def _routed(
     ports = range(direct_port, direct_port + 3)  # direct ingress: a port per app deployed at once
     os.environ.update(serve_env(ingress, direct_port, None, grpc_handles, len(ports), worker_niceness))
     streaming = streaming or {}
-    worker = {"num_cpus": 1, "num_blocks": 512, **{k: v for k, v in streaming.items() if k != "worker_link"}}
+    worker = {"num_cpus": 1, "num_blocks": 512, "model": model,
+              **{k: v for k, v in streaming.items() if k != "worker_link"}}
     router_streaming = {k: v for k, v in streaming.items() if k in ("stream_coalesce", "stream_interval_ms",
                                                                      "worker_link")}
     ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False,
@@ -198,7 +200,8 @@ def _routed(
             groups[0].append((TRACED, "disaggregated", tracing()))
         for group in groups:
             for name, mode, traced in group:
-                config = SystemConfig(mode=mode, transport="ucx", prefill=worker, decode=worker, tracing_env=traced,
+                config = SystemConfig(model=model, mode=mode, transport="ucx", prefill=worker, decode=worker,
+                                      tracing_env=traced,
                                       router={"disaggregate_min_prompt_tokens": 0, "num_cpus": 0.5,
                                               **router_streaming})
                 serve.run(build_system(config), name=name, route_prefix=f"/{name}")
@@ -209,11 +212,11 @@ def _routed(
                 urls = {name: f"http://127.0.0.1:{found[name]}/{name}" for name, _, _ in group}
 
             async def run(group=group) -> list[dict[str, Any]]:
-                engine = AsyncLLMEngine.from_config(WorkerConfig(num_cpus=1).engine_config())
+                engine = AsyncLLMEngine.from_config(WorkerConfig(model=model, num_cpus=1).engine_config())
                 try:
                     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
                         ones = [_direct_one(engine, max_tokens)] + [
-                            _http_one(client, urls[name], max_tokens) for name, _, _ in group]
+                            _http_one(client, urls[name], max_tokens, served_model_name(model)) for name, _, _ in group]
                         if isolated:  # each path alone on the machine, one after another
                             return [(await _levels(o, prompts, concurrencies, num_requests))[0] for o in ones]
                         return await _levels(_alternating(ones), prompts, concurrencies, num_requests, len(ones))
@@ -236,7 +239,7 @@ def run(
     num_requests: int = 64, concurrencies: tuple[int, ...] = (1, 16), prompt_tokens: int = 16,
     max_tokens: int = 64, seed: int = 0, env: dict[str, str] | None = None, tracing: bool = False,
     streaming: dict[str, Any] | None = None, ingress: str = "direct", grpc_handles: bool = True,
-    worker_niceness: int = 0, isolated: bool = False,
+    worker_niceness: int = 0, isolated: bool = False, model: str = "tiny",
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(0, 256) for _ in range(prompt_tokens)] for _ in range(16)]
@@ -244,14 +247,14 @@ def run(
     try:
         routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {},
                          (lambda: _start_sink(sink)) if tracing else None, streaming, ingress, grpc_handles,
-                         worker_niceness, isolated)
+                         worker_niceness, isolated, model)
     except BaseException:
         if sink:
             sink[0].stop(grace=None)
         raise
     sink_endpoint = f"http://127.0.0.1:{sink[1]}" if sink else ""
     result: dict[str, Any] = {
-        "bench": "router", "model": "tiny", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "bench": "router", "model": model, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "prompt_tokens": prompt_tokens, "output_tokens": max_tokens, "env": env or {},
         "streaming": streaming or {}, "ingress": ingress, "grpc_handles": grpc_handles,
         "worker_niceness": worker_niceness, "isolated": isolated,
@@ -335,6 +338,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--isolated", action="store_true",
                    help="measure each path alone, one after another, instead of alternating requests between "
                         "them (at concurrency 16 alternating paths split the CPU, so E2E compares CPU shares)")
+    p.add_argument("--model", default="tiny", help="a model name or checkpoint directory (default: tiny)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     streaming: dict[str, Any] = {"stream_coalesce": not args.no_coalesce, "stream_interval_ms": args.stream_interval_ms,
@@ -348,6 +352,6 @@ def main(argv: list[str]) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         result = run(args.requests, tuple(int(c) for c in args.concurrency.split(",")), args.prompt_tokens,
                      args.output_tokens, args.seed, env, args.tracing, streaming, args.ingress,
-                     not args.no_grpc_handles, args.worker_niceness, args.isolated)
+                     not args.no_grpc_handles, args.worker_niceness, args.isolated, args.model)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
