@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pdserve.models.resolve import resolve_model_path
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.services.router import openai_api as oa
@@ -40,7 +40,7 @@ from pdserve.services.router.placement import Placement, PlacementConfig, Placem
 from pdserve.services.router.placer import Placer
 from pdserve.services.router.redis_tier import RedisTierWatch
 from pdserve.worklink import LinkClient
-from pdserve.services.router.streaming import first_event, prepend, sse_stream, upstream_error
+from pdserve.services.router.streaming import SSEResponse, first_event, prepend, sse_stream, upstream_error
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
@@ -225,9 +225,8 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         events = prepend(first, events)
         count = self.api_metrics.requests.labels
         if prepared.stream:  # counted when it ends: a failure after the 200 has a label of its own
-            return StreamingResponse(sse_stream(meta, prepared, events, self.tokenizer, self.config.stream_interval_s,
-                                                self.api_metrics.count_write, lambda s: count(endpoint, s).inc()),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return SSEResponse(sse_stream(meta, prepared, events, self.tokenizer, self.config.stream_interval_s,
+                                          self.api_metrics.count_write, lambda s: count(endpoint, s).inc()))
         try:
             choices = [oa.Choice(i, prepared.echo_of(i), prompt_token_ids=prepared.echo_ids_of(i))
                        for i in range(prepared.num_choices)]

@@ -11,6 +11,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
 from pdserve.contract import TokenBatch
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.streams import batches
@@ -52,6 +56,22 @@ async def first_event(events: AsyncIterator[Event], retry_after_s: int) -> Event
     except Exception as exc:
         await events.aclose()
         raise upstream_error(exc, retry_after_s) from None
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that closes its body however the response ends. Starlette leaves a body
+    that was suspended at a `yield` (the task cancelled inside `send`: a client gone mid-write) to the
+    garbage collector, and until it runs decode keeps generating for nobody and the KV stays held."""
+
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):  # a cancelled scope would cancel the close too
+                await self.body_iterator.aclose()
 
 
 def by_choice(batch: list[Event]) -> list[Event]:

@@ -166,3 +166,43 @@ def test_a_client_that_leaves_mid_stream_is_counted_as_disconnected():
 
     events = asyncio.run(main())
     assert ended == ["client_disconnected"] and events.closed
+
+
+@pytest.mark.parametrize("spec_version", ["2.0", "2.4"])  # Starlette's two paths: a task group or a plain await
+def test_a_response_cancelled_inside_send_closes_its_stream_at_once(spec_version):
+    """The client leaves while a write is on its way: the task is cancelled in `send`, with the SSE
+    stream suspended at its `yield`. Its events (decode's call) must close then, not at the next GC."""
+    from starlette.responses import StreamingResponse
+
+    from pdserve.services.router.streaming import SSEResponse
+
+    meta = oa.ResponseMeta("cmpl-4", "tiny", False)
+
+    async def run(response_type) -> tuple[bool, list[str]]:
+        """Whether the events were closed, and how the stream ended, before the loop shuts down (asyncio.run
+        closes what is left of every async generator then)."""
+        events, ended = Events([_event("a"), _event("b"), _event("c", True)]), []
+        response = response_type(sse_stream(meta, _prepared(), events, ByteTokenizer(), None, on_end=ended.append))
+        in_send, never = asyncio.Event(), asyncio.Event()
+
+        async def send(message):
+            if message.get("body"):
+                in_send.set()
+                await never.wait()  # the write that the client never takes
+
+        async def receive():
+            await never.wait()
+
+        scope = {"type": "http", "asgi": {"spec_version": spec_version}}
+        task = asyncio.create_task(response(scope, receive, send))
+        await in_send.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)
+        return events.closed, list(ended)
+
+    closed, ended = asyncio.run(run(lambda body: StreamingResponse(body, media_type="text/event-stream")))
+    assert not closed and ended == []  # Starlette's own: left for the garbage collector
+    closed, ended = asyncio.run(run(SSEResponse))
+    assert closed and ended == ["client_disconnected"]
