@@ -6,7 +6,10 @@ both share the machine's drift: disaggregated (every request takes the prefill p
 handoff) and colocated (router + one engine), each deployed alone beside the direct engine. TTFT is
 the first streamed token (delta or SSE chunk), E2E the last, TPOT (E2E - TTFT) / (tokens - 1); the
 differences and ratios are what serving adds. Messages per token counts stream items (engine deltas
-or SSE chunks with a choice) per generated token.
+or SSE chunks with a choice) per generated token. Each path's summary also has the step time of the
+engine that served it (`step_ms_p50`: the direct engine, or the app's decode replica) and what TPOT
+spends beyond it (`between_steps_ms`), so a routed token's extra cost shows as slower steps or as
+more time between them.
 """
 
 from __future__ import annotations
@@ -24,30 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.services.bench_steps import StepTimes, engine_steps, replica_steps
+
 PATHS = ("disaggregated", "colocated")
 TRACED = "disaggregated_traced"
-
-
-def _otlp_sink():
-    """An OTLP/gRPC trace endpoint that counts export calls and drops them (grpcio only: the payload
-    is never parsed; an empty ExportTraceServiceResponse is zero bytes)."""
-    from concurrent import futures
-
-    import grpc
-
-    calls = {"exports": 0, "bytes": 0}
-
-    def export(request: bytes, context) -> bytes:
-        calls["exports"] += 1
-        calls["bytes"] += len(request)
-        return b""
-
-    handler = grpc.method_handlers_generic_handler("opentelemetry.proto.collector.trace.v1.TraceService", {
-        "Export": grpc.unary_unary_rpc_method_handler(export, lambda b: b, lambda b: b)})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[handler])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, port, calls
 
 
 def _log(message: str) -> None:
@@ -144,25 +127,21 @@ def _http_one(client, url: str, max_tokens: int, model: str):
 
 
 async def _levels(
-    one, prompts: list[list[int]], concurrencies: list[int], num_requests: int, ways: int = 1
+    one, prompts: list[list[int]], concurrencies: list[int], num_requests: int, ways: int = 1,
+    steps: StepTimes | None = None,
 ) -> list[dict[str, Any]]:
     """A warm-up, then a closed loop at each concurrency level over max(num_requests, 4c) requests per
-    way; with `ways` > 1 (an `_alternating` one), one summary per way."""
+    way; with `ways` > 1 (an `_alternating` one), one summary per way. `steps` is told the level."""
     await _closed_loop(one, prompts[:4 * ways], 1)
     out: list[dict[str, Any]] = [{} for _ in range(ways)]
     for c in concurrencies:
+        if steps is not None:
+            steps.level = c
         n = max(num_requests, 4 * c) * ways
         samples = await _closed_loop(one, (prompts * (n // len(prompts) + 1))[:n], c)
         for k in range(ways):
             out[k][str(c)] = _summary([x for i, x in samples if i % ways == k])
     return out
-
-
-def _start_sink(sink: list) -> dict[str, str]:
-    sink.extend(_otlp_sink())
-    return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink[1]}",
-            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.0"}
 
 
 def _routed(
@@ -211,15 +190,21 @@ def _routed(
                 found = app_ports("127.0.0.1", ports)
                 urls = {name: f"http://127.0.0.1:{found[name]}/{name}" for name, _, _ in group}
 
+            steps = StepTimes()
+
             async def run(group=group) -> list[dict[str, Any]]:
                 engine = AsyncLLMEngine.from_config(WorkerConfig(model=model, num_cpus=1).engine_config())
                 try:
                     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
-                        ones = [_direct_one(engine, max_tokens)] + [
-                            _http_one(client, urls[name], max_tokens, served_model_name(model)) for name, _, _ in group]
+                        ones = [steps.wrap("direct", _direct_one(engine, max_tokens), engine_steps(engine))] + [
+                            steps.wrap(name, _http_one(client, urls[name], max_tokens, served_model_name(model)),
+                                       replica_steps(serve.get_deployment_handle("decode", app_name=name)))
+                            for name, _, _ in group]
                         if isolated:  # each path alone on the machine, one after another
-                            return [(await _levels(o, prompts, concurrencies, num_requests))[0] for o in ones]
-                        return await _levels(_alternating(ones), prompts, concurrencies, num_requests, len(ones))
+                            return [(await _levels(o, prompts, concurrencies, num_requests, steps=steps))[0]
+                                    for o in ones]
+                        return await _levels(_alternating(ones), prompts, concurrencies, num_requests, len(ones),
+                                             steps)
                 finally:
                     await engine.close()
 
@@ -227,6 +212,9 @@ def _routed(
             results[f"direct@{group[0][0]}"] = direct
             for (name, _, _), summary in zip(group, routed):
                 results[name] = summary
+            for name, summaries in (("direct", direct), *((n, results[n]) for n, _, _ in group)):
+                for c, summary in summaries.items():
+                    summary.update(steps.summary(name, int(c), summary["tpot_ms_p50"]))
             for name, _, _ in group:
                 serve.delete(name)
         return results
@@ -244,9 +232,11 @@ def run(
     rng = random.Random(seed)
     prompts = [[rng.randrange(0, 256) for _ in range(prompt_tokens)] for _ in range(16)]
     sink: list = []  # started after Ray: a live gRPC server in this process breaks Ray's fork of its raylet
+    if tracing:
+        from pdserve.services.bench_tracing import start_sink
     try:
         routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {},
-                         (lambda: _start_sink(sink)) if tracing else None, streaming, ingress, grpc_handles,
+                         (lambda: start_sink(sink)) if tracing else None, streaming, ingress, grpc_handles,
                          worker_niceness, isolated, model)
     except BaseException:
         if sink:

@@ -89,3 +89,33 @@ def summarize(result: dict[str, Any], raw: dict[str, dict[str, list[float]]], si
         block["tracing_overhead_ttft_p50_pct_ci95"] = bootstrap_p50_change_pct(raw["disaggregated"][c], raw["traced"][c])
         block["tracing_cpu_pct_of_ttft_p50"] = round(
             100 * result["tracing_cpu_us_per_request"] / 1e3 / block["disaggregated"]["ttft_ms_p50"], 2)
+
+
+def otlp_sink():
+    """An OTLP/gRPC trace endpoint that counts export calls and drops them (grpcio only: the payload
+    is never parsed; an empty ExportTraceServiceResponse is zero bytes)."""
+    from concurrent import futures
+
+    import grpc
+
+    calls = {"exports": 0, "bytes": 0}
+
+    def export(request: bytes, context) -> bytes:
+        calls["exports"] += 1
+        calls["bytes"] += len(request)
+        return b""
+
+    handler = grpc.method_handlers_generic_handler("opentelemetry.proto.collector.trace.v1.TraceService", {
+        "Export": grpc.unary_unary_rpc_method_handler(export, lambda b: b, lambda b: b)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port, calls
+
+
+def start_sink(sink: list) -> dict[str, str]:
+    """Starts an OTLP sink into `sink` (server, port, counts); the OTEL_* env that exports every span to it."""
+    sink.extend(otlp_sink())
+    return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink[1]}",
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.0"}

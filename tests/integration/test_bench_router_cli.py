@@ -18,3 +18,7 @@ def test_bench_router_json_is_the_only_stdout():
     result = json.loads(lines[0])
     assert result["bench"] == "router" and result["concurrency_1"]
     assert result["added_ttft_ms_p50"] is not None and result["tpot_ratio_c1"] > 0
+    for path in ("direct", "disaggregated", "colocated"):  # the engine's step, and TPOT beyond it
+        block = result["concurrency_1"][path]
+        assert 0 < block["step_ms_p50"] < block["tpot_ms_p50"] + 1, block
+        assert abs(block["between_steps_ms"] - (block["tpot_ms_p50"] - block["step_ms_p50"])) < 0.002
