@@ -6,7 +6,8 @@ Nodes: the head with its rayStartParams, then `replicas` nodes per worker group 
 KubeRay gives the pod (top-level `resources`, else rayStartParams num-cpus, else the container's
 cpu limit), the group's custom resources and its Ray `labels`. serveConfigV2 is deployed through
 Serve's own config path (the controller's apply_config, what `serve deploy` and KubeRay reach
-through the dashboard), with its HTTP/gRPC ports moved to free loopback ports. One completion is
+through the dashboard), with its HTTP/gRPC ports moved to free loopback ports, and with the RAY_*
+variables the chart sets in the head pod (they reach every node's workers from there). One completion is
 streamed; the result (node of every replica, the decode replica's KV imports by transport, the
 streamed text) is written as JSON for the test to judge.
 """
@@ -49,6 +50,12 @@ def node_args(spec: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
+def ray_env(spec: dict[str, Any]) -> dict[str, str]:
+    """The RAY_* variables with plain values in a group's pod: Ray and Serve read them where Ray starts."""
+    env = spec["template"]["spec"]["containers"][0].get("env", [])
+    return {e["name"]: e["value"] for e in env if e["name"].startswith("RAY_") and "value" in e}
+
+
 def _metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -56,6 +63,8 @@ def _metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 
 def run(rayservice: dict[str, Any]) -> dict[str, Any]:
+    import os
+
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -67,6 +76,9 @@ def run(rayservice: dict[str, Any]) -> dict[str, Any]:
     from pdserve.redis_server import free_port
 
     cluster_spec = rayservice["spec"]["rayClusterConfig"]
+    # the nodes' raylets (and so every replica) start with the pod's settings; this driver's own Serve
+    # modules loaded without them, as a client outside the cluster would (its handles are synchronous)
+    os.environ.update(ray_env(cluster_spec["headGroupSpec"]))
     serve_config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
     http_port, grpc_port = free_port(), free_port()
     serve_config["http_options"] = {"host": "127.0.0.1", "port": http_port}

@@ -117,6 +117,30 @@ def test_replicas_are_pinned_to_their_group(render, name):
         assert matching == [role], (role, selector, matching)
 
 
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_every_pod_has_the_serve_settings_pdserve_serve_uses(render, name):
+    """The Ray/Serve latency settings are in every pod's env (Ray reads them where it starts), and the
+    chart's defaults are `pdserve serve`'s (BASE_ENV), so the two cannot drift apart."""
+    from pdserve.serve_env import BASE_ENV
+
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["serve"]["env"] == BASE_ENV
+    for template in _pod_templates(_rayservice(render(EXAMPLES[name]))):
+        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
+        assert BASE_ENV.items() <= env.items(), env
+
+
+def test_serve_settings_can_be_overridden_and_only_ray_names_are_taken(helm):
+    text = subprocess.run([helm, "template", "pdserve", str(CHART), "--set-string",
+                           "serve.env.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1"],
+                          capture_output=True, text=True, check=True).stdout
+    head = _pod_templates(_rayservice([d for d in yaml.safe_load_all(text) if d]))[0]
+    env = {e["name"]: e.get("value") for e in head["spec"]["containers"][0]["env"]}
+    assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1" and env["RAY_worker_niceness"] == "0"
+    result = subprocess.run([helm, "template", "pdserve", str(CHART), "--set", "serve.env.PATH=/tmp"],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "'PATH' does not match pattern '^RAY_" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("broken", BROKEN, ids=lambda p: p.stem)
 def test_broken_values_fail(helm, broken):
     result = subprocess.run([helm, "template", "pdserve", str(CHART), "-f", str(broken)], capture_output=True, text=True)

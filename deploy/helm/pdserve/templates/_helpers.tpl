@@ -62,12 +62,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $m.file -}}{{ printf "%s/%s" $base $m.file }}{{- else -}}{{ $base }}{{- end -}}
 {{- end -}}
 
-{{/* Env shared by every pod: the pod IP the UCX listener advertises, OTEL_*, the API key file, the Redis password, extraEnv. */}}
+{{/* Env shared by every pod: the pod IP the UCX listener advertises, Serve's settings, OTEL_*, the API key file, the Redis password, extraEnv. */}}
 {{- define "pdserve.commonEnv" -}}
 - name: PDSERVE_UCX_HOST
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+{{- range $k, $v := .Values.serve.env }}
+- name: {{ $k }}
+  value: {{ $v | quote }}
+{{- end }}
 {{- range $k, $v := .Values.otel.env }}
 - name: {{ $k }}
   value: {{ $v | quote }}
