@@ -78,7 +78,12 @@ def test_kv_aware_sends_every_turn_to_its_history(ray_serve):
     rng = random.Random(0)
     try:
         deadline = time.monotonic() + 60
-        while True:  # until placement runs on stats and the prefix index (the poller starts on the first request)
+        # until the router's poller knows both replicas (on a busy machine its first discovery can take
+        # seconds; placed before it, a turn lands wherever Serve sends it)
+        while httpx.get(f"{url}/health", timeout=30).json().get("replicas", {}).get("decode") != 2:
+            assert time.monotonic() < deadline, "the router never saw both decode replicas"
+            time.sleep(0.2)
+        while True:  # until placement runs on stats and the prefix index
             history = _tokens(rng, 100)
             _complete(url, history)
             time.sleep(0.3)
