@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import dataclasses
 import time
 from typing import Any
@@ -63,7 +65,7 @@ class PrefillDeployment(WorkerEndpoints):
                 try:
                     handoff = await self.exporter.export(delta.kv_handoff)
                 except BaseException:  # cancelled (client gone) or failed: nobody will ever pull this lease
-                    await self.abort(delta.kv_handoff.lease_id)
+                    await asyncio.shield(self.abort(delta.kv_handoff.lease_id))  # a second cancel must not skip it
                     raise
                 span.set_attribute(ta.KV_BLOCKS, len(delta.kv_handoff.block_ids))
         # the engine ends a prefill-only request at its first token; the request itself ends only on a reason

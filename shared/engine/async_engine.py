@@ -82,7 +82,10 @@ class AsyncLLMEngine:
                 yield batch
         finally:
             if not finished:
-                await self.abort(request.request_id)
+                # shielded: a closed stream is often cancelled again while the abort waits for the lock
+                # (a worker link closes the stream, then its connection's loss cancels the call), and an
+                # abort cut short leaves the request decoding for nobody until max_tokens
+                await asyncio.shield(self.abort(request.request_id))
 
     async def abort(self, request_id: str) -> bool:
         async with self._lock:

@@ -105,8 +105,8 @@ class KVImporter:
         except (KVTransferError, TimeoutError, OSError) as exc:
             await self.engine.release_lease(lease.lease_id)
             return self._fallback("transfer_failed", str(exc))
-        except BaseException:
-            await self.engine.release_lease(lease.lease_id)
+        except BaseException:  # cancelled: shielded, as a second cancel must not skip the release
+            await asyncio.shield(self.engine.release_lease(lease.lease_id))
             raise
         return ImportResult(lease.lease_id)
 

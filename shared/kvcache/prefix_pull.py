@@ -11,6 +11,8 @@ outcome says why so the caller counts it.
 
 from __future__ import annotations
 
+import asyncio
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,8 +65,8 @@ class PrefixPuller:
             return PrefixPull(self.block_size, local, failure="no_kv_capacity", error=str(exc))
         try:
             await self.transport.pull_prefix(self.transport.layout.layout_hash, missing, list(lease.block_ids))
-        except BaseException as exc:
-            await self.engine.release_lease(lease.lease_id)
+        except BaseException as exc:  # a cancel included: shielded, so a second cancel cannot skip it
+            await asyncio.shield(self.engine.release_lease(lease.lease_id))
             failure = _failure(exc)
             if failure is None:
                 raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,40 @@ def test_abort_by_cancelling_the_consumer_task(tiny_dir: Path) -> None:
             await settle(engine)
             assert not any(d.finished for d in received)
             assert seqs[0].finish_reason == "abort"
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_stream_cancelled_again_while_its_abort_waits_still_aborts(tiny_dir: Path) -> None:
+    """A consumer that closes the stream and is then cancelled while the abort waits for a step to end
+    (the worker link: it closes the stream when its connection is closing, then the connection's loss
+    cancels the call). The request used to keep decoding for nobody until max_tokens."""
+
+    async def main() -> None:
+        engine = make_engine(tiny_dir)
+        try:
+            first = asyncio.Event()
+
+            async def consume() -> None:
+                async with aclosing(engine.generate_batches(request("twice", b"cancel me twice", 400))) as batches:
+                    async for _ in batches:
+                        first.set()
+                        await asyncio.sleep(3600)
+
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(first.wait(), SETTLE_S)
+            seq = engine.engine.requests["twice"].seq
+            async with engine._lock:  # a step in flight: the abort must wait for it
+                task.cancel()  # the stream is closed: its abort now waits for the lock
+                for _ in range(5):
+                    await asyncio.sleep(0)
+                task.cancel()  # and the consumer is cancelled again
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            await settle(engine)
+            assert seq.finish_reason == "abort"  # not "length": it did not run on to max_tokens
         finally:
             await engine.close()
 
