@@ -105,6 +105,7 @@ def _plan(args: argparse.Namespace) -> int:
         rate_rps=args.rate, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
         dtype=args.dtype,
         memory_utilization=args.memory_utilization, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+        packed_weights=args.packed_weights,
     )
     hardware = (config, args.dtype, args.flops, args.bandwidth, args.kv_cache_dtype)
     prefill, source = latency_model_for(args.profile, "prefill", *hardware)
@@ -172,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--block-size", type=int, default=16)
     pl.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"], default="auto",
                     help="KV pool values: the model dtype, or 1 byte plus a float16 scale per token and KV head")
+    pl.add_argument("--packed-weights", action="store_true",
+                    help="CPU serving (float32/bfloat16, pack_weights on, the default): count the oneDNN copy "
+                         "each linear weight keeps beside the plain one")
     pl.add_argument("--ttft-ms", type=float, required=True)
     pl.add_argument("--tpot-ms", type=float, required=True)
     pl.add_argument("--profile", default=None, help="profile file from `pdserve profile`")

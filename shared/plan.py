@@ -73,6 +73,13 @@ def num_parameters(config: ModelConfig) -> int:
     return config.num_layers * layer + embeddings + h
 
 
+def num_packed_parameters(config: ModelConfig) -> int:
+    """Weights of the Linear layers (lm_head included, biases not): on CPU with `EngineConfig.pack_weights`
+    each also has a oneDNN-blocked copy (pdserve.models.linear), resident beside the plain one."""
+    h, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    return config.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + h * config.vocab_size
+
+
 def roofline_model(
     config: ModelConfig, dtype_bytes: int, flops: float, bandwidth: float, kv_cache_dtype: str = "auto"
 ) -> LatencyModel:
@@ -107,6 +114,7 @@ class PlanInput:
     memory_utilization: float = 0.9  # share of the device memory for weights + KV
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # "int8" | "fp8_e4m3": values of 1 byte plus a float16 scale per token and head
+    packed_weights: bool = False  # CPU serving with EngineConfig.pack_weights: a second copy of each linear weight
 
 
 @dataclass(frozen=True)
@@ -141,7 +149,7 @@ def plan(
 ) -> Plan:
     dtype_bytes = DTYPE_BYTES[inp.dtype]
     params = num_parameters(config)
-    weights = params * dtype_bytes
+    weights = (params + (num_packed_parameters(config) if inp.packed_weights else 0)) * dtype_bytes
     per_token = kv_bytes_per_token(config, dtype_bytes, inp.kv_cache_dtype)
     length = inp.prompt_tokens + inp.output_tokens
     pool = max(0, int(inp.memory_bytes * inp.memory_utilization) - weights)
@@ -207,7 +215,8 @@ def render(p: Plan, inp: PlanInput) -> str:
     gib = 2**30
     lines = [
         f"latency model: {p.latency_source}",
-        f"parameters {p.num_parameters / 1e6:.1f}M, weights {p.weight_bytes / gib:.2f} GiB ({inp.dtype})",
+        f"parameters {p.num_parameters / 1e6:.1f}M, weights {p.weight_bytes / gib:.2f} GiB ({inp.dtype}"
+        f"{', linears packed twice' if inp.packed_weights else ''})",
         f"KV per token {p.kv_bytes_per_token} B ({inp.kv_cache_dtype}), per request "
         f"({inp.prompt_tokens}+{inp.output_tokens} tokens) "
         f"{p.kv_bytes_per_request / 2**20:.2f} MiB",

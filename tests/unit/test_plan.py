@@ -10,7 +10,8 @@ from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, Pre
 from pdserve.models.config import model_config_from_hf
 from pdserve.models.tiny import TINY_CONFIG
 from pdserve.plan import (
-    PlanInput, kv_bytes_per_token, load_model_config, num_parameters, parse_bytes, plan, roofline_model,
+    PlanInput, kv_bytes_per_token, load_model_config, num_packed_parameters, num_parameters, parse_bytes, plan,
+    roofline_model,
 )
 
 BENCH_125M = {**TINY_CONFIG, "vocab_size": 32000, "hidden_size": 768, "num_hidden_layers": 12,
@@ -32,6 +33,31 @@ def test_parameter_count_matches_the_bench_model():
     # README: 400,370,688 fp32 bytes streamed per decode step = every weight but the embedding table
     assert (num_parameters(config) - 32000 * 768) * 4 == 400_370_688
     assert num_parameters(model_config_from_hf(TINY_CONFIG)) == 3_098_880
+
+
+def test_packed_weights_count_what_the_loaded_model_holds(tmp_path):
+    """The plan's weight bytes, plain and with --packed-weights, against the tensors a CPU engine keeps:
+    every parameter (shared storage once), plus each Linear's oneDNN copy."""
+    import dataclasses
+
+    import torch
+
+    from pdserve.models.linear import Linear
+    from pdserve.models.loader import load_model
+    from pdserve.models.tiny import ensure_tiny_checkpoint
+
+    model, config = load_model(ensure_tiny_checkpoint(tmp_path), torch.float32, "cpu", pack_weights=True)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    plain_bytes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.parameters()}
+    packed_bytes = sum(m.packed.numel() * m.packed.element_size() for m in linears)  # opaque oneDNN tensors
+    assert num_packed_parameters(config) * 4 == packed_bytes
+    packed = plan(config, dataclasses.replace(INPUT, packed_weights=True), MODEL, MODEL, "profile")
+    plain = plan(config, INPUT, MODEL, MODEL, "profile")
+    assert plain.weight_bytes == sum(plain_bytes.values())
+    assert packed.weight_bytes == sum(plain_bytes.values()) + packed_bytes
+    assert packed.weight_bytes - plain.weight_bytes == num_packed_parameters(config) * 4
+    assert packed.kv_pool_bytes == plain.kv_pool_bytes - num_packed_parameters(config) * 4
 
 
 @pytest.mark.parametrize("text,expected", [
