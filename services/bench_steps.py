@@ -1,6 +1,7 @@
 """Engine step times beside `pdserve bench router`'s TPOT: of a streamed token's time, how much is the
 engine's step and how much passes between steps (the engine loop's hand-offs, the stream's work, and
-everything else the engine's process runs under the same GIL)."""
+everything else the engine's process runs under the same GIL). The engine's own gaps between
+consecutive steps tell whether that time passes in the engine's process."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import statistics
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-ReadSteps = Callable[[], Awaitable[Sequence[float]]]
+# (step times, gaps between consecutive steps), seconds
+ReadSteps = Callable[[], Awaitable[tuple[Sequence[float], Sequence[float]]]]
 
 
 class StepTimes:
@@ -18,38 +20,47 @@ class StepTimes:
     def __init__(self) -> None:
         self.level: int | None = None  # None: not recording (the warm-up)
         self._times: dict[tuple[str, int], list[float]] = {}
+        self._gaps: dict[tuple[str, int], list[float]] = {}
 
     def wrap(self, name: str, one: Callable[..., Awaitable[Any]], read: ReadSteps):
         async def wrapped(i: int, prompt: list[int]):
             sample = await one(i, prompt)  # (TTFT, E2E, tokens, messages)
             if self.level is not None:
-                level, steps = self.level, await read()
+                level, (steps, gaps) = self.level, await read()
                 num = min(len(steps), max(1, sample[2] - 1))
                 self._times.setdefault((name, level), []).extend(steps[len(steps) - num:])
+                num = min(len(gaps), max(0, sample[2] - 2))
+                self._gaps.setdefault((name, level), []).extend(gaps[len(gaps) - num:] if num else [])
             return sample
 
         return wrapped
 
     def summary(self, name: str, level: int, tpot_ms_p50: float) -> dict[str, float]:
-        """`step_ms_p50`, and `between_steps_ms`: TPOT p50 less the step p50."""
+        """`step_ms_p50`; `between_steps_ms`: TPOT p50 less the step p50; `engine_gap_ms_p50`: the engine's
+        own time from a step's end to the next one's start."""
         times = self._times.get((name, level))
         if not times:
             return {}
         step = 1e3 * statistics.median(times)
-        return {"step_ms_p50": round(step, 3), "between_steps_ms": round(tpot_ms_p50 - step, 3)}
+        out = {"step_ms_p50": round(step, 3), "between_steps_ms": round(tpot_ms_p50 - step, 3)}
+        if gaps := self._gaps.get((name, level)):
+            out["engine_gap_ms_p50"] = round(1e3 * statistics.median(gaps), 3)
+        return out
 
 
 def replica_steps(handle) -> ReadSteps:
     """A Serve worker deployment's step times (its `stats` endpoint; one replica per app here)."""
-    async def read() -> Sequence[float]:
-        return (await handle.stats.remote())["recent_step_times_s"]
+    async def read() -> tuple[Sequence[float], Sequence[float]]:
+        stats = await handle.stats.remote()
+        return stats["recent_step_times_s"], stats.get("recent_step_gaps_s", ())
 
     return read
 
 
 def engine_steps(engine) -> ReadSteps:
     """An in-process AsyncLLMEngine's step times."""
-    async def read() -> Sequence[float]:
-        return engine.stats().recent_step_times_s
+    async def read() -> tuple[Sequence[float], Sequence[float]]:
+        stats = engine.stats()
+        return stats.recent_step_times_s, stats.recent_step_gaps_s
 
     return read

@@ -62,6 +62,10 @@ class LLMEngine:
         self.requests: dict[str, _RequestState] = {}
         self.step_times: deque[float] = deque(maxlen=32)
         self.step_tokens: deque[int] = deque(maxlen=32)
+        # from a step's end to the next one's start while requests stayed unfinished: the time the
+        # engine's process spent between steps (loop hand-offs, streaming, everything under the GIL)
+        self.step_gaps: deque[float] = deque(maxlen=32)
+        self._busy_since: float | None = None  # the last step's end, while requests remain
         self.num_preemptions = 0
         self.num_expired_leases = 0
         self.num_draft_tokens = 0
@@ -131,6 +135,8 @@ class LLMEngine:
             return False
         if not state.seq.is_finished:
             self.scheduler.finish(state.seq, "abort")
+        if not self.requests:
+            self._busy_since = None  # the engine may idle now: no gap until a step ends with work left
         return True
 
     def has_unfinished(self) -> bool:
@@ -176,6 +182,8 @@ class LLMEngine:
         if batch.is_empty:
             return []
         start = time.perf_counter()
+        if self._busy_since is not None:
+            self.step_gaps.append(start - self._busy_since)
         seqs, logits, prompt_rows, verify_rows = self.runner.run(batch)
         for rows in prompt_rows:
             _record_prompt_logprobs(rows)
@@ -185,8 +193,10 @@ class LLMEngine:
         outputs = self._postprocess(seqs, sampled) if seqs else []
         for result in verified:
             outputs.extend(self._postprocess_verified(result))
-        self.step_times.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        self.step_times.append(end - start)
         self.step_tokens.append(batch.num_tokens)
+        self._busy_since = end if self.has_unfinished() else None
         return outputs
 
     def _advance(self, batch: ScheduledBatch, verified: list[Verified]) -> None:
@@ -301,6 +311,7 @@ class LLMEngine:
             num_leased_blocks=self.leases.num_blocks,
             recent_step_times_s=tuple(self.step_times),
             recent_step_tokens=tuple(self.step_tokens),
+            recent_step_gaps_s=tuple(self.step_gaps),
             prefix_hit_tokens=self.block_manager.num_prefix_hit_tokens,
             prefix_queried_tokens=self.block_manager.num_prefix_queried_tokens,
             num_preemptions=self.num_preemptions,

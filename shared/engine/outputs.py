@@ -99,3 +99,4 @@ class EngineStats:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     num_spec_verifications: int = 0
+    recent_step_gaps_s: tuple[float, ...] = ()  # step end -> next step start while requests stayed unfinished

@@ -22,3 +22,4 @@ def test_bench_router_json_is_the_only_stdout():
         block = result["concurrency_1"][path]
         assert 0 < block["step_ms_p50"] < block["tpot_ms_p50"] + 1, block
         assert abs(block["between_steps_ms"] - (block["tpot_ms_p50"] - block["step_ms_p50"])) < 0.002
+        assert 0 < block["engine_gap_ms_p50"] < block["tpot_ms_p50"], block

@@ -275,7 +275,7 @@ def test_stats_snapshot_while_requests_run(tiny_dir: Path) -> None:
             idle = engine.stats()
             assert (idle.num_waiting, idle.num_running, idle.queued_prefill_tokens) == (0, 0, 0)
             assert idle.num_free_blocks == idle.num_total_blocks == NUM_BLOCKS and idle.block_size == 16
-            assert idle.recent_step_times_s == () and idle.num_leased_blocks == 0
+            assert idle.recent_step_times_s == () == idle.recent_step_gaps_s and idle.num_leased_blocks == 0
             started = [asyncio.Event() for _ in range(2)]
             outs: list[list[TokenDelta]] = [[], [], []]
 
@@ -303,6 +303,8 @@ def test_stats_snapshot_while_requests_run(tiny_dir: Path) -> None:
             assert snap.num_total_blocks == NUM_BLOCKS and snap.num_free_blocks <= NUM_BLOCKS - 4
             assert snap.recent_step_times_s and all(t > 0 for t in snap.recent_step_times_s)
             assert len(snap.recent_step_tokens) == len(snap.recent_step_times_s)
+            # a gap per step after the first while requests ran on
+            assert 0 < len(snap.recent_step_gaps_s) and all(0 < g < SETTLE_S for g in snap.recent_step_gaps_s)
             assert snap.recent_step_tokens[-1] == 2  # two decodes a step while the third waits
             assert snap.prefix_queried_tokens >= 41
             assert all(await asyncio.gather(engine.abort("st0"), engine.abort("st1")))
