@@ -38,10 +38,12 @@ class WorkerEndpoints:
             await self.transport.close()
         self.telemetry.close()
 
-    def stats(self) -> dict[str, Any]:
+    # async, as every endpoint here: Serve runs a sync method on a worker thread (a thread per call on the
+    # 2-core VM), beside the engine loop that alone may read the engine between steps
+    async def stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.stats())
 
-    def metrics_snapshot(self, target: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def metrics_snapshot(self, target: dict[str, Any] | None = None) -> dict[str, Any]:
         """`target` ({"replica": id}) only steers the call to this replica; see PlacementRequestRouter."""
         metrics = self.telemetry.metrics
         metrics.set_kv_leases("held", len(self.engine.engine.leases))

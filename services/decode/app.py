@@ -120,7 +120,7 @@ class DecodeDeployment(WorkerEndpoints):
         return LinkServer(self.link_token, generate=self.generate, max_ongoing=self.config.max_ongoing_requests,
                           max_queued=self.config.max_queued_requests)
 
-    def fallbacks(self) -> dict[str, int]:
+    async def fallbacks(self) -> dict[str, int]:
         return dict(self.importer.fallbacks)
 
 
