@@ -30,7 +30,7 @@ class StepTimes:
                 num = min(len(steps), max(1, sample[2] - 1))
                 self._times.setdefault((name, level), []).extend(steps[len(steps) - num:])
                 num = min(len(gaps), max(0, sample[2] - 2))
-                self._gaps.setdefault((name, level), []).extend(gaps[len(gaps) - num:] if num else [])
+                self._gaps.setdefault((name, level), []).extend(gaps[len(gaps) - num:])
             return sample
 
         return wrapped
