@@ -37,10 +37,10 @@ def urls(ray_serve):
         ray_serve.delete(app)
 
 
-def _calls(url: str) -> dict[tuple[str, str], float]:
+def _calls(url: str, series: str = "pdserve_router_worker_calls_total") -> dict[tuple[str, str], float]:
     out = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("pdserve_router_worker_calls_total{"):
+        if line.startswith(series + "{"):
             labels = dict(kv.split("=") for kv in line[line.index("{") + 1:line.index("}")].split(","))
             out[(labels["role"].strip('"'), labels["path"].strip('"'))] = float(line.rsplit(" ", 1)[1])
     return out
@@ -79,3 +79,21 @@ def test_calls_go_over_the_link_with_the_same_answers_as_serve_handles(urls):
     assert after[("decode", "link")] - before.get(("decode", "link"), 0) >= 8
     assert after.get(("decode", "serve"), 0) == before.get(("decode", "serve"), 0)
     assert all(path == "serve" for _, path in _calls(off))
+
+
+def test_stats_polls_go_over_the_link_once_known_and_through_serve_without_it(urls):
+    """The router's 10 Hz stats (and KV event) polls: the first through the replica actor, whose reply names
+    the link, then STATS calls on the link; with the link off, always the actor."""
+    on, off = urls["link-on"], urls["link-off"]
+    for url in (on, off):
+        _answer(url, BODIES[2], stream=False)  # starts the poller
+    series = "pdserve_router_stats_polls_total"
+    time.sleep(1.0)
+    before = _calls(on, series)
+    time.sleep(2.0)
+    after = _calls(on, series)
+    for role in ("prefill", "decode"):
+        assert after[(role, "link")] - before.get((role, "link"), 0) >= 3, (before, after)
+        assert after.get((role, "serve"), 0) == before.get((role, "serve"), 0) > 0, (before, after)
+    polls = _calls(off, series)
+    assert {path for _, path in polls} == {"serve"} and polls[("decode", "serve")] >= 3, polls

@@ -91,13 +91,21 @@ class Worker:
     async def abort(self, lease_id: str) -> bool:
         return lease_id == "lease-1"
 
+    async def stats(self, want_events: bool, cursor):
+        self.seen.append(("stats", want_events, cursor))
+        reply = {"num_running": 2, "recent_step_times_s": (0.004, 0.005), "replica": "replica-p"}
+        if want_events:
+            reply["kv_events"] = {"epoch": "e", "seq": 7, "reset": cursor is None, "events": [(1, 1 << 63)],
+                                  "hashes": [1 << 63]}
+        return reply
+
 
 @asynccontextmanager
 async def _linked(ongoing: int = 8, queued: int = 8):
     """(worker, server, link, client) on loopback; the client closed and the server stopped after."""
     worker = Worker()
     server = LinkServer("the-token", prefill=worker.prefill, generate=worker.generate, abort=worker.abort,
-                        max_ongoing=ongoing, max_queued=queued)
+                        stats=worker.stats, max_ongoing=ongoing, max_queued=queued)
     address = await server.start("127.0.0.1")
     client = LinkClient()
     try:
@@ -117,6 +125,52 @@ def test_link_carries_prefill_decode_and_abort():
             assert worker.seen[-1] == (REQUEST, HANDOFF, 42)
             assert await client.abort(link, "lease-1") and not await client.abort(link, "other")
     asyncio.run(main())
+
+
+def test_stats_polls_carry_stats_and_kv_events_and_are_never_queued():
+    async def main():
+        async with _linked(ongoing=1, queued=0) as (worker, server, link, client):
+            assert await client.stats(link) == {"num_running": 2, "recent_step_times_s": (0.004, 0.005),
+                                                "replica": "replica-p"}
+            assert worker.seen[-1] == ("stats", False, None)
+            reply = await client.stats(link, True, ("e", 3))
+            assert worker.seen[-1] == ("stats", True, ("e", 3))
+            assert reply["kv_events"]["events"] == ((1, 1 << 63),) and not reply["kv_events"]["reset"]
+            assert (await client.stats(link, True))["kv_events"]["reset"]
+            slow = asyncio.ensure_future(client.prefill(link, WorkerRequest("slow", (1,), SamplingParams())))
+            while server.num_in_flight == 0:
+                await asyncio.sleep(0.01)
+            with pytest.raises(WorkerOverloaded):  # the one call slot is taken and nothing may queue ...
+                await client.prefill(link, REQUEST)
+            assert (await client.stats(link))["num_running"] == 2  # ... but a stats poll still answers
+            worker.release.set()
+            await slow
+            for bad in (b"\x92\x01\x02", msgpack.packb((True, ("e", 1, 2))), msgpack.packb(("yes", None))):
+                with pytest.raises(ValueError):  # INVALID_ARGUMENT
+                    await client.unary(link, Kind.STATS, bad)
+    asyncio.run(main())
+
+
+def test_a_worker_without_stats_refuses_the_call_and_a_stranger_gets_nothing():
+    async def main():
+        server = LinkServer("the-token", prefill=Worker().prefill)
+        link = Link(await server.start("127.0.0.1"), "the-token")
+        client = LinkClient()
+        try:
+            with pytest.raises(ValueError, match="no stats calls"):
+                await client.stats(link)
+            with pytest.raises(WorkerLinkError, match="UNAUTHENTICATED"):
+                await client.stats(Link(link.address, "guessed"))
+        finally:
+            await client.close()
+            await server.stop()
+    asyncio.run(main())
+
+
+def test_codec_refuses_malformed_stats_replies():
+    for data in (msgpack.packb([1, 2]), msgpack.packb({1: "x"}), b"\xc1"):
+        with pytest.raises(CodecError):
+            codec.unpack_stats(data)
 
 
 def test_cancelling_a_stream_closes_the_worker_side():
