@@ -23,3 +23,8 @@ def test_bench_router_json_is_the_only_stdout():
         assert 0 < block["step_ms_p50"] < block["tpot_ms_p50"] + 1, block
         assert abs(block["between_steps_ms"] - (block["tpot_ms_p50"] - block["step_ms_p50"])) < 0.002
         assert 0 < block["engine_gap_ms_p50"] < block["tpot_ms_p50"], block
+    idle = result["idle_replica_cpu_pct"]  # every replica of both apps, measured (some CPU: the stats polls)
+    assert set(idle) == {"disaggregated", "colocated"}, idle
+    assert set(idle["disaggregated"]) == {"router", "prefill", "decode"}, idle
+    assert set(idle["colocated"]) == {"router", "decode"}, idle
+    assert all(0 < pct < 200 for app in idle.values() for pct in app.values()), idle
