@@ -22,8 +22,8 @@ def _replicas(app: str) -> dict[int, str]:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
         except OSError:
             continue
-        if tag in cmdline:
-            out[int(entry.name)] = cmdline.split(tag, 1)[1].split()[0]
+        if tag in cmdline:  # while it runs a method Ray retitles it `...:{dep}.{method}`
+            out[int(entry.name)] = cmdline.split(tag, 1)[1].split()[0].split(".")[0]
     return out
 
 
