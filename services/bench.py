@@ -9,7 +9,8 @@ differences and ratios are what serving adds. Messages per token counts stream i
 or SSE chunks with a choice) per generated token. Each path's summary also has the step time of the
 engine that served it (`step_ms_p50`: the direct engine, or the app's decode replica) and what TPOT
 spends beyond it (`between_steps_ms`), so a routed token's extra cost shows as slower steps or as
-more time between them.
+more time between them. After each app's load, `idle_replica_cpu_pct` is what its replicas burn for
+5 s with nothing in flight (the router's stats polls and the workers' answers, transport threads).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.services.bench_idle import idle_cpu_pct
 from pdserve.services.bench_steps import StepTimes, engine_steps, replica_steps
 
 PATHS = ("disaggregated", "colocated")
 TRACED = "disaggregated_traced"
+IDLE, IDLE_SECONDS = "idle_replica_cpu_pct", 5.0
 
 
 def _log(message: str) -> None:
@@ -215,6 +218,9 @@ def _routed(
             for name, summaries in (("direct", direct), *((n, results[n]) for n, _, _ in group)):
                 for c, summary in summaries.items():
                     summary.update(steps.summary(name, int(c), summary["tpot_ms_p50"]))
+            time.sleep(1.0)  # the last streams' ends settle; the router's poller keeps running
+            for name, _, _ in group:
+                results.setdefault(IDLE, {})[name] = idle_cpu_pct(name, IDLE_SECONDS)
             for name, _, _ in group:
                 serve.delete(name)
         return results
@@ -249,6 +255,8 @@ def run(
         "streaming": streaming or {}, "ingress": ingress, "grpc_handles": grpc_handles,
         "worker_niceness": worker_niceness, "isolated": isolated,
     }
+    # each app's replicas with nothing in flight, after its load (stats polls, transport threads): % of one core
+    result[IDLE] = routed.pop(IDLE, {})
     if sink:
         result["otlp_exports_received"] = sink[2]["exports"]
         result["otlp_bytes_received"] = sink[2]["bytes"]

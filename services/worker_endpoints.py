@@ -21,6 +21,7 @@ class WorkerEndpoints:
 
     link: LinkServer | None = None
     link_token = ""
+    _layout_hash: int | None = None  # the KV layout's, fixed for the engine's life
 
     def link_server(self) -> LinkServer:
         raise NotImplementedError
@@ -51,22 +52,34 @@ class WorkerEndpoints:
         return self.telemetry.worker_snapshot(self.engine.stats())
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Polled by the router (and Serve) for placement: EngineStats, this replica's id, and its link's
-        address and token (the link starts on the first poll, on the replica's event loop). The token
-        travels only in these replies, over Ray's own authenticated channels."""
+        """Polled by Serve, and by the router until it has this replica's link: EngineStats, this replica's
+        id, and its link's address and token (the link starts on the first poll, on the replica's event
+        loop). The token travels only in these replies, over Ray's own authenticated channels."""
         if self.link is None:
             self.link_token = secrets.token_urlsafe(32)
             self.link = self.link_server()
         address = await self.link.start(self.config.resolved_ucx_host())
-        return {**dataclasses.asdict(self.engine.stats()), "replica": self.telemetry.replica, "link": address,
-                "link_token": self.link_token}
+        return {**self._routing_stats(), "link": address, "link_token": self.link_token}
+
+    async def link_stats(self, want_events: bool, cursor: tuple | None) -> dict[str, Any]:
+        """The router's poll over the link (its STATS call): the routing stats, and with `want_events` the
+        pool's KV events after `cursor` under "kv_events"; one round trip instead of two Serve calls."""
+        stats = self._routing_stats()
+        if want_events:
+            stats["kv_events"] = self.kv_events({"cursor": cursor})
+        return stats
+
+    def _routing_stats(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self.engine.stats()), "replica": self.telemetry.replica}
 
     def kv_events(self, target: dict[str, Any]) -> dict[str, Any]:
         """The pool's prefix-cache events after the router's cursor (`target["cursor"]`: [epoch, seq]), or
         all it holds (pdserve.kv_events), with this replica's id and KV layout hash (the Redis tier's key
         space). `target["replica"]` steers the call to this replica; see PlacementRequestRouter."""
         batch = self.engine.kv_events.read(target.get("cursor")).to_dict()
-        return {**batch, "replica": self.telemetry.replica, "layout_hash": engine_layout(self.engine).layout_hash}
+        if self._layout_hash is None:
+            self._layout_hash = engine_layout(self.engine).layout_hash
+        return {**batch, "replica": self.telemetry.replica, "layout_hash": self._layout_hash}
 
     async def pull_prefix(self, request: WorkerRequest, span: Any) -> PrefixPull | None:
         """The request's leading blocks that placement found in the Redis tier, into the pool before the

@@ -117,8 +117,8 @@ class DecodeDeployment(WorkerEndpoints):
         return local, FallbackNotice(result.fallback_reason, result.error)
 
     def link_server(self) -> LinkServer:
-        return LinkServer(self.link_token, generate=self.generate, max_ongoing=self.config.max_ongoing_requests,
-                          max_queued=self.config.max_queued_requests)
+        return LinkServer(self.link_token, generate=self.generate, stats=self.link_stats,
+                          max_ongoing=self.config.max_ongoing_requests, max_queued=self.config.max_queued_requests)
 
     async def fallbacks(self) -> dict[str, int]:
         return dict(self.importer.fallbacks)

@@ -72,7 +72,7 @@ class PrefillDeployment(WorkerEndpoints):
         return PrefillResult(first, handoff, self.telemetry.replica)
 
     def link_server(self) -> LinkServer:
-        return LinkServer(self.link_token, prefill=self.prefill, abort=self.abort,
+        return LinkServer(self.link_token, prefill=self.prefill, abort=self.abort, stats=self.link_stats,
                           max_ongoing=self.config.max_ongoing_requests, max_queued=self.config.max_queued_requests)
 
     async def abort(self, lease_id: str) -> bool:

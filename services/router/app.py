@@ -117,12 +117,14 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         placement = PlacementConfig.model_validate({
             "disaggregate_min_prompt_tokens": self.config.disaggregate_min_prompt_tokens, **self.config.placement})
         profile = LatencyProfile.from_dict(self.config.profile) if self.config.profile else None
+        self.links = LinkClient()
         self.placer = Placer(placement, profile, _app_name(), prefill is not None,
-                             workers={"prefill": prefill, "decode": decode}, kvstore=kvstore)
+                             workers={"prefill": prefill, "decode": decode}, kvstore=kvstore,
+                             links=self.links if self.config.worker_link else None,
+                             on_poll=self.api_metrics.count_stats_poll)
         self.num_inflight = 0
         self.created = int(time.time())
         self._background: set[asyncio.Task] = set()
-        self.links = LinkClient()
         self.redis_tier = RedisTierWatch(kvstore) if kvstore is not None else None
         if self.redis_tier is not None:
             self.metrics.watch_redis(self.redis_tier)

@@ -19,7 +19,9 @@ class APIMetrics:
         self.worker_calls = Counter("pdserve_router_worker_calls", "Prefill and decode calls by role and path "
                                     "(link: pdserve.worklink; serve: a Serve handle)", ["role", "path"],
                                     registry=registry)
-
+        self.stats_polls = Counter("pdserve_router_stats_polls", "Replica stats polls answered, by role and path "
+                                   "(link: a STATS call on the worker link; serve: the replica actor)",
+                                   ["role", "path"], registry=registry)
         self.migrations = Counter("pdserve_migrations", "Streams moved to another decode replica mid-stream",
                                   ["reason"], registry=registry)
 
@@ -28,6 +30,9 @@ class APIMetrics:
 
     def count_worker_call(self, role: str, path: str) -> None:
         self.worker_calls.labels(role, path).inc()
+
+    def count_stats_poll(self, role: str, path: str) -> None:
+        self.stats_polls.labels(role, path).inc()
 
     def count_write(self, num_events: int) -> None:
         self.stream_writes.inc()

@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,6 +37,7 @@ from pdserve.services.router.placement import (
 from pdserve.services.router.prefix_index import PrefixIndex, leading_hits
 from pdserve.services.router.replica_stats import ReplicaStatsPoller
 from pdserve.services.router.slo_aware import is_pull_faster
+from pdserve.worklink import LinkClient
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +45,12 @@ logger = logging.getLogger(__name__)
 class Placer:
     def __init__(
         self, config: PlacementConfig, profile: LatencyProfile | None, app_name: str, has_prefill: bool,
-        workers: Mapping[str, Any] | None = None, kvstore: Any = None,
+        workers: Mapping[str, Any] | None = None, kvstore: Any = None, links: LinkClient | None = None,
+        on_poll: Callable[[str, str], None] | None = None,
     ) -> None:
         """`workers`: role -> deployment handle, to read the replicas' KV events (None: no prefix index);
-        `kvstore`: the kvstore deployment's handle (None: no Redis tier lookups)."""
+        `kvstore`: the kvstore deployment's handle (None: no Redis tier lookups); `links` and `on_poll`:
+        see ReplicaStatsPoller."""
         if config.policy == "slo_aware" and profile is None:
             logger.warning("slo_aware placement needs a latency profile (router.profile_path); using least_loaded")
             config = config.model_copy(update={"policy": "least_loaded"})
@@ -58,7 +61,8 @@ class Placer:
         roles = ("prefill", "decode") if has_prefill else ("decode",)
         self.index = PrefixIndex(config.prefix_max_age_s, config.prefix_expect_s)
         self.poller = ReplicaStatsPoller(app_name, roles, period_s=config.stats_poll_period_s,
-                                         staleness_s=config.max_stats_age_s, kv_sources=workers, index=self.index)
+                                         staleness_s=config.max_stats_age_s, kv_sources=workers, index=self.index,
+                                         links=links, on_poll=on_poll)
         self.kvstore = kvstore
         self.pending = PendingPlacements()
         self._observed: dict[str, float] = {}  # replica -> receive time of the stats already observed

@@ -185,6 +185,11 @@ class LinkClient:
                  first_token_id: int | None = None) -> LinkStream:
         return LinkStream(self, link, codec.pack_call(request, handoff, first_token_id))
 
+    async def stats(self, link: Link, want_events: bool = False, cursor: tuple | None = None) -> dict:
+        """The replica's routing stats; with `want_events`, under "kv_events" its pool's KV events after
+        `cursor` (None: everything it holds)."""
+        return codec.unpack_stats(await self.unary(link, Kind.STATS, codec.pack_stats_query(want_events, cursor)))
+
     async def abort(self, link: Link, lease_id: str) -> bool:
         return await self.unary(link, Kind.ABORT, lease_id.encode()) == b"\x01"
 

@@ -106,3 +106,27 @@ def unpack_event(data: bytes) -> DecodeEvent:
     if item[0] == _BATCH:
         return _batch_of(item[1:])
     raise CodecError("malformed decode event")
+
+
+def pack_stats_query(want_events: bool, cursor: tuple | None) -> bytes:
+    """A routing-stats poll: whether to include the pool's KV events, and after which (epoch, seq) cursor."""
+    return _pack((bool(want_events), None if cursor is None else tuple(cursor)))
+
+
+def unpack_stats_query(data: bytes) -> tuple[bool, tuple | None]:
+    item = _unpack(data)
+    if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], bool) \
+            or not (item[1] is None or (isinstance(item[1], tuple) and len(item[1]) == 2)):
+        raise CodecError("malformed stats query")
+    return item
+
+
+def pack_stats(stats: dict[str, Any]) -> bytes:
+    return _pack(stats)
+
+
+def unpack_stats(data: bytes) -> dict[str, Any]:
+    item = _unpack(data)
+    if not isinstance(item, dict) or not all(isinstance(k, str) for k in item):
+        raise CodecError("malformed routing stats")
+    return item

@@ -24,12 +24,13 @@ class Kind(enum.IntEnum):
     PREFILL = 2
     GENERATE = 3
     ABORT = 4
+    STATS = 5
     DATA = 16
     END = 17
     ERROR = 18
 
 
-CALLS = (Kind.PREFILL, Kind.GENERATE, Kind.ABORT)
+CALLS = (Kind.PREFILL, Kind.GENERATE, Kind.ABORT, Kind.STATS)
 
 
 class Status(enum.IntEnum):

@@ -1,7 +1,8 @@
 """A replica's end of the worker link: a TCP server on the replica's own event loop.
 
-Three calls, bytes in and out (pdserve.worklink.codec, framed by pdserve.worklink.frames): prefill
-(one reply), generate (a stream of events) and abort (a lease id). A client that closes its connection
+Four calls, bytes in and out (pdserve.worklink.codec, framed by pdserve.worklink.frames): prefill
+(one reply), generate (a stream of events), abort (a lease id) and stats (the router's routing-stats
+poll, with the pool's KV events after a cursor; never queued behind the call limit). A client that closes its connection
 cancels the call in flight, which closes the decode stream (the engine aborts the request) or lets
 prefill free its lease. Worker failures reach the client as a status and a fixed message; the details
 go to this replica's log.
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 Prefill = Callable[[WorkerRequest], Awaitable[PrefillResult]]
 Generate = Callable[[WorkerRequest, HandoffParams | None, int | None], AsyncIterator[DecodeEvent]]
 Abort = Callable[[str], Awaitable[bool]]
+Stats = Callable[[bool, tuple | None], Awaitable[dict]]
 
 
 class CallFailed(Exception):
@@ -48,11 +50,12 @@ class LinkServer:
     RESOURCE_EXHAUSTED, which the router answers 503 with Retry-After."""
 
     def __init__(self, token: str, *, prefill: Prefill | None = None, generate: Generate | None = None,
-                 abort: Abort | None = None, max_ongoing: int = 1024, max_queued: int = 1024) -> None:
+                 abort: Abort | None = None, stats: Stats | None = None, max_ongoing: int = 1024,
+                 max_queued: int = 1024) -> None:
         if not token:
             raise ValueError("a link server needs a token")
         self.token = token.encode()
-        self.prefill, self.generate, self.abort = prefill, generate, abort
+        self.prefill, self.generate, self.abort, self.stats = prefill, generate, abort, stats
         self.max_ongoing, self.max_queued = max_ongoing, max_queued
         self.num_in_flight = self.num_queued = 0
         self._slots: asyncio.Semaphore | None = None
@@ -162,6 +165,12 @@ class _Connection(asyncio.Protocol):
             if kind == Kind.ABORT:
                 released = await server.abort(payload.decode("utf-8", "replace")) if server.abort else False
                 self._finish(frame(Kind.DATA, b"\x01" if released else b"\x00"))
+                return
+            if kind == Kind.STATS:
+                if server.stats is None:
+                    raise CallFailed(Status.INVALID_ARGUMENT, "this replica takes no stats calls")
+                reply = await server.stats(*codec.unpack_stats_query(payload))
+                self._finish(frame(Kind.DATA, codec.pack_stats(reply)))
                 return
             handler = server.prefill if kind == Kind.PREFILL else server.generate
             if handler is None:
