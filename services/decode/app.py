@@ -113,7 +113,7 @@ class DecodeDeployment(WorkerEndpoints):
         rest = dataclasses.replace(gen.params, max_tokens=gen.params.max_tokens - 1,
                                    min_tokens=max(0, gen.params.min_tokens - 1))
         local = dataclasses.replace(gen, prompt_token_ids=(*gen.prompt_token_ids, first_token_id), params=rest,
-                                    num_resumed_tokens=gen.num_resumed_tokens + 1)
+                                    num_resumed_tokens=gen.num_resumed_tokens + 1, rng_offset=gen.rng_offset + 1)
         return local, FallbackNotice(result.fallback_reason, result.error)
 
     def link_server(self) -> LinkServer:

@@ -142,8 +142,7 @@ class DispatchMixin:
                                 carrier, prefix_pull_blocks=placement.prefix_pull_blocks)
         first = handoff = stream = None
         finished = imported = False
-        sent: list[int] = []  # token ids the client has, in order
-        num_decoded = 0  # of those, sampled by decode engines (their seeded draws)
+        sent: list[int] = []  # token ids the client has, in order; token j took the seeded stream's j-th draw
         try:
             first = await self._prefill(request.to(placement.prefill_replica)) if placement.disaggregate else None
             if first is not None:
@@ -172,7 +171,6 @@ class DispatchMixin:
                         imported = True
                         finished = event.finished
                         sent.extend(event.token_ids)
-                        num_decoded += len(event.token_ids)
                         yield event
                     break
                 except WORKER_GONE as exc:
@@ -181,8 +179,7 @@ class DispatchMixin:
                     if handoff is not None and not imported:
                         self._abort_lease(first.replica, handoff.lease_id)
                     handoff, num_migrations = None, num_migrations + 1
-                    replica, stream = await self._migrate(request, replica, sent, num_decoded, num_migrations,
-                                                          exc, span)
+                    replica, stream = await self._migrate(request, replica, sent, num_migrations, exc, span)
         finally:
             if not finished:
                 if stream is not None:
@@ -192,8 +189,7 @@ class DispatchMixin:
                     self._abort_lease(first.replica, handoff.lease_id)
 
     async def _migrate(
-        self, request: WorkerRequest, dead: str | None, sent: list[int], num_decoded: int, attempt: int,
-        exc: BaseException, span,
+        self, request: WorkerRequest, dead: str | None, sent: list[int], attempt: int, exc: BaseException, span,
     ) -> tuple[str, Any]:
         """The stream of `request` continued on another live decode replica after `dead` failed: the
         prompt plus every token the client has, the rest of its token budget, and its seeded draws
@@ -217,7 +213,7 @@ class DispatchMixin:
                                      min_tokens=max(0, params.min_tokens - len(sent)))
         moved = dataclasses.replace(request, request_id=f"{request.request_id}-m{attempt}", params=params,
                                     prompt_token_ids=(*request.prompt_token_ids, *sent), replica=target,
-                                    prefix_pull_blocks=0, rng_offset=num_decoded,
+                                    prefix_pull_blocks=0, rng_offset=request.rng_offset + len(sent),
                                     num_resumed_tokens=request.num_resumed_tokens + len(sent))
         logger.warning("decode replica %s failed mid-stream (%s: %s); %s continues on %s after %d tokens",
                        dead, type(exc).__name__, exc, request.request_id, target, len(sent))

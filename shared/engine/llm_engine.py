@@ -101,8 +101,11 @@ class LLMEngine:
             priority=request.priority, arrival_time=request.arrival_time,
             max_prefill_chunk=request.max_prefill_chunk,
         )
-        if request.rng_offset and seq.generator is not None:
-            Sampler.skip(seq.generator, request.rng_offset, vocab)
+        # token j of a seeded stream takes the request's j-th draw, wherever it is sampled: skip the draws
+        # of tokens sampled elsewhere (rng_offset) and of an adopted first token (prefill drew it)
+        drawn = request.rng_offset + (request.first_token_id is not None)
+        if drawn and seq.generator is not None:
+            Sampler.skip(seq.generator, drawn, vocab)
         resumed = request.num_resumed_tokens
         seq.num_resumed_tokens = resumed
         detok = IncrementalDetokenizer(

@@ -32,7 +32,8 @@ class GenerationRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     # Cap on this prompt's tokens per step (the router's chunk budget); None: the engine's budget.
     max_prefill_chunk: int | None = None
-    # Seeded noise draws already made for this request elsewhere (a migrated stream); skipped at admission.
+    # Seeded noise draws already made for this request elsewhere (one per token in the prompt's resumed
+    # tail); skipped at admission, as is the draw of an adopted first_token_id.
     rng_offset: int = 0
     # Trailing prompt tokens that are output already sent (a migrated stream or a local fallback): penalties
     # count them as output, and the detokenizer replays them so held text (a partial character) carries on.

@@ -1,6 +1,7 @@
 """A decode replica killed (`kill -9`) mid-stream: every stream on it moves to the other decode replica
 and goes on with no token missing or repeated. Seeded sampled requests are checked token for token
-against a no-fault run of the same requests; /health answers within its bound throughout."""
+against the engine run offline and a no-fault run of the same requests (placement, split or whole, never
+changes a seeded stream); /health answers within its bound throughout."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import pytest
 pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 
+from pdserve.engine import LLM  # noqa: E402
+from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.services.decode.app import build_app as build_decode  # noqa: E402
 from pdserve.services.prefill.app import build_app as build_prefill  # noqa: E402
 from pdserve.services.router import RouterConfig, build_app  # noqa: E402
@@ -88,8 +91,12 @@ def test_streams_on_a_killed_decode_replica_move_and_continue_exactly(url, repli
                 assert set(statuses) <= {200, 503}
             return await asyncio.gather(*tasks)
 
+    offline = LLM(model="tiny").generate(
+        [f"{i}. {PROMPT}" for i in range(NUM_REQUESTS)],
+        [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=1000 + i, ignore_eos=True) for i in range(NUM_REQUESTS)])
     baseline = [_outcome(events) for events in asyncio.run(run(kill=False))]
     assert all(finish == ["length"] and n == MAX_TOKENS for _, finish, n in baseline)
+    assert [text for text, _, _ in baseline] == [c.text for c in offline]
     before = _counter(url, "pdserve_migrations_total")
     migrated = [_outcome(events) for events in asyncio.run(run(kill=True))]
     assert migrated == baseline  # same text, one finish, every token counted once

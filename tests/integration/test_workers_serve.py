@@ -17,6 +17,9 @@ from pdserve.services.prefill.app import build_app as build_prefill  # noqa: E40
 
 PROMPT = list(range(30, 75))
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# seeded sampling: token j takes the seed's j-th draw wherever it is sampled (prefill draws the first)
+SEEDED = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+BOTH = pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 
 
 @pytest.fixture(scope="module", params=["redis", "ucx"])
@@ -29,28 +32,29 @@ def workers(request, ray_serve, redis_server, tmp_path_factory):
     ray_serve.delete(f"decode-{request.param}")
 
 
-def _request(request_id: str) -> WorkerRequest:
-    return WorkerRequest(request_id, tuple(PROMPT), GREEDY)
+def _request(request_id: str, params: SamplingParams) -> WorkerRequest:
+    return WorkerRequest(request_id, tuple(PROMPT), params)
 
 
-async def _disaggregated(prefill, decode, request_id: str) -> tuple[list[int], list]:
-    first = await prefill.prefill.remote(_request(request_id))
+async def _disaggregated(prefill, decode, request_id: str, params: SamplingParams) -> tuple[list[int], list]:
+    first = await prefill.prefill.remote(_request(request_id, params))
     assert isinstance(first, PrefillResult) and first.first.num_tokens == 1 and not first.first.finished
     events = [
         e async for e in decode.options(stream=True).generate.remote(
-            _request(request_id), first.handoff, first.first.token_ids[0]
+            _request(request_id, params), first.handoff, first.first.token_ids[0]
         )
     ]
     tokens = [*first.first.token_ids] + [t for e in events if isinstance(e, TokenBatch) for t in e.token_ids]
     return tokens, events
 
 
-def test_disaggregated_tokens_equal_the_engine_direct_output(workers):
+@BOTH
+def test_disaggregated_tokens_equal_the_engine_direct_output(workers, params):
     import asyncio
 
     prefill, decode = workers
-    expected = LLM(model="tiny", device="cpu", dtype="float32").generate([PROMPT], GREEDY)[0].token_ids
-    tokens, events = asyncio.run(_disaggregated(prefill, decode, "r1"))
+    expected = LLM(model="tiny", device="cpu", dtype="float32").generate([PROMPT], params)[0].token_ids
+    tokens, events = asyncio.run(_disaggregated(prefill, decode, f"r1-{params.temperature}", params))
     assert not any(isinstance(e, FallbackNotice) for e in events)
     assert tokens == expected
     assert events[-1].finished and events[-1].finish_reason == "length"
@@ -60,19 +64,22 @@ def test_disaggregated_tokens_equal_the_engine_direct_output(workers):
         assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_leased_blocks"] == 0
 
 
-def test_lost_handoff_falls_back_to_local_prefill_with_the_same_tokens(workers):
+@BOTH
+def test_lost_handoff_falls_back_to_local_prefill_with_the_same_tokens(workers, params):
     import asyncio
 
     prefill, decode = workers
-    expected = LLM(model="tiny", device="cpu", dtype="float32").generate([PROMPT], GREEDY)[0].token_ids
+    expected = LLM(model="tiny", device="cpu", dtype="float32").generate([PROMPT], params)[0].token_ids
+    request_id = f"r2-{params.temperature}"
 
     async def main():
-        first = await prefill.prefill.remote(_request("r2"))
+        first = await prefill.prefill.remote(_request(request_id, params))
         # client gone before the pull (redis already released the lease once the blocks were stored)
         await prefill.abort.remote(first.handoff.lease_id)
         handoff = dataclasses.replace(first.handoff, block_hashes=[h ^ 1 for h in first.handoff.block_hashes])
         events = [
-            e async for e in decode.options(stream=True).generate.remote(_request("r2"), handoff, first.first.token_ids[0])
+            e async for e in decode.options(stream=True).generate.remote(_request(request_id, params), handoff,
+                                                                         first.first.token_ids[0])
         ]
         return first, events
 

@@ -71,3 +71,25 @@ def _text_after(engine: LLMEngine, params: SamplingParams, k: int) -> str:
                 text += delta.text
             n += len(delta.token_ids)
     return text
+
+
+def test_a_seeded_request_split_across_engines_samples_what_one_engine_samples():
+    """Prefill samples the first token with the request's first draw; the adopting engine must go on from
+    the second, so placement (split or whole) never changes a seeded stream."""
+    prefill, decode = LLMEngine(EngineConfig(model="tiny")), LLMEngine(EngineConfig(model="tiny"))
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=1005, ignore_eos=True)
+    prompt = tuple(range(5, 45))
+    whole = _run(LLMEngine(EngineConfig(model="tiny")), GenerationRequest("whole", prompt, params))
+    prefill.add_request(GenerationRequest("pre", prompt, params, prefill_only=True))
+    (delta,) = prefill.step()
+    handoff = delta.kv_handoff
+    lease = decode.reserve_kv(handoff.num_tokens)
+    for src, dst in zip(handoff.block_ids, lease.block_ids):
+        decode.runner.kv_pool[dst].copy_(prefill.runner.kv_pool[src])
+    prefill.release_lease(handoff.lease_id)
+    rest = _run(decode, GenerationRequest("dec", prompt, params, adopt_lease_id=lease.lease_id,
+                                          first_token_id=delta.token_ids[0]))
+    assert [*delta.token_ids, *rest] == whole
+    reused = _run(LLMEngine(EngineConfig(model="tiny")),
+                  GenerationRequest("again", (*prompt, whole[0]), dataclasses.replace(params, max_tokens=15)))
+    assert reused != whole[1:]  # the first draw used twice changes the stream: the test can fail
