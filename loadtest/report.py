@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.loadtest.evaluate import TargetResult
+from pdserve.loadtest.machine import SLOW_RATIO
 from pdserve.loadtest.metrics import prefix_hit_rate
 from pdserve.loadtest.slo import SLO
 
@@ -85,6 +86,19 @@ def _slo_origin(meta: dict[str, Any]) -> str:
     return f" ({' and '.join(parts)} of `{reference}`)" if parts and reference else ""
 
 
+def _machine_lines(checks) -> list[str]:
+    """One line per profile the machine was compared with (pdserve.loadtest.machine)."""
+    lines = []
+    for c in checks:
+        shapes = ", ".join(f"{s['shape']} {s['profile_ms']:.1f} → {s['measured_ms']:.1f} ms" for s in c["shapes"])
+        verdict = {"matches": f"it matches the profile (within {SLOW_RATIO}×)"}.get(
+            c["verdict"], f"**{c['verdict']} than the profile: absolute figures here do not compare with runs on a "
+                          "machine that matches it**")
+        lines.append(f"- machine: {c['slowest_ratio']:.2f}× the time of `{c['profile_path']}` at worst "
+                     f"({shapes}); {verdict}")
+    return lines
+
+
 def _goodput_text(t: TargetResult) -> str:
     return ("≥ " if t.sweep.capped else "") + f"{t.sweep.goodput:.3g}"
 
@@ -100,7 +114,8 @@ def summary_markdown(targets: list[TargetResult], slo: SLO, cdf_rate: float, met
         f"- workload: `{json.dumps(meta.get('workload', {}))}`",
         f"- SLO: TTFT ≤ {slo.ttft_s * 1e3:.0f} ms and TPOT ≤ {slo.tpot_s * 1e3:.1f} ms"
         + _slo_origin(meta),
-        f"- goodput: the highest offered rate with SLO attainment ≥ {target_attainment:.0%}", "",
+        f"- goodput: the highest offered rate with SLO attainment ≥ {target_attainment:.0%}",
+        *_machine_lines(meta.get("machine") or ()), "",
         "## Verdict", "",
     ]
     if len(targets) == 1:

@@ -64,6 +64,10 @@ class Scenario(BaseModel):
     sweep: SweepSpec = Field(default_factory=SweepSpec)
     slo: dict[str, float] = Field(default_factory=lambda: {"ttft_factor": 5.0, "tpot_factor": 2.0})
     idle_requests: int = Field(3, ge=1)
+    # the latency profile this scenario's absolute SLOs were set against: the runner measures this machine
+    # first and reports how much slower or faster it is (pdserve.loadtest.machine); so is every profile a
+    # target's router reads
+    machine_profile: str | None = None
     cdf_rate: float | None = None  # a sweep grid rate; None: the middle one
     targets: tuple[TargetSpec, ...] = Field(min_length=1)
 
@@ -106,6 +110,7 @@ def run_scenario(
     port: int = 0,
 ) -> dict[str, Any]:
     """Runs every target in order and writes summary.json, summary.md and the plots into out_dir."""
+    from pdserve.loadtest.machine import check_machine, profile_paths
     from pdserve.loadtest.models import resolve_model
     from pdserve.loadtest.report import write_report
     from pdserve.loadtest.targets import deployed, local_serve
@@ -120,6 +125,9 @@ def run_scenario(
     slo = None
     results: list[TargetResult] = []
     started = time.monotonic()
+    machine = check_machine(str(model), profile_paths(scenario.machine_profile, (t.system for t in scenario.targets)))
+    for check in machine:
+        log(f"machine ({check.verdict}): {check.describe()}")
     with local_serve(scenario.ray, port) as local:
         for target in scenario.targets:
             system = {"model": model, **target.system}
@@ -142,5 +150,5 @@ def run_scenario(
     meta = {"scenario": scenario.name, "description": scenario.description, "model": str(model),
             "workload": scenario.workload, "load": scenario.load.model_dump(), "sweep": scenario.sweep.model_dump(),
             "slo_spec": scenario.slo, "slo_reference": scenario.targets[0].name,
-            "wall_time_s": time.monotonic() - started}
+            "machine": [check.to_dict() for check in machine], "wall_time_s": time.monotonic() - started}
     return write_report(out_dir, results, slo, scenario.chosen_cdf_rate, sweep.target, meta)

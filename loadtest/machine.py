@@ -1,0 +1,90 @@
+"""Is this machine as fast as the one a scenario's latency profile was measured on?
+
+A scenario's absolute SLOs, and the predictions of every router that reads a profile, were set on one
+machine; on a slower one every goodput figure moves. Before a scenario deploys anything, the runner
+measures the quick profile (what `pdserve profile --quick` measures) on the scenario's model and compares
+it with each profile file the scenario names, at reference shapes: a 1024-token prefill, and decode steps
+of 1 and 8 sequences at 1024 tokens of context each. The ratios (measured / profiled) go into summary.json
+and summary.md, with a verdict: `slower` when a ratio is above `SLOW_RATIO`, `faster` when one is below its
+inverse, else `matches`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.latency_model import LatencyModel, LatencyProfile
+
+SLOW_RATIO = 1.3  # re-measuring one machine minutes apart moved a shape by up to 1.19x here
+# (shape, role whose model the profile file gives for it, seconds under a latency model)
+SHAPES: tuple[tuple[str, str, Callable[[LatencyModel], float]], ...] = (
+    ("prefill_1024", "prefill", lambda m: m.prefill_time_s(1024)),
+    ("decode_b1_ctx1024", "decode", lambda m: m.decode_step_s(1, 1024)),
+    ("decode_b8_ctx1024", "decode", lambda m: m.decode_step_s(8, 8 * 1024)),
+)
+
+
+@dataclass(frozen=True)
+class MachineCheck:
+    profile_path: str
+    # (shape, the profile's seconds, this machine's seconds)
+    shapes: tuple[tuple[str, float, float], ...]
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        return {name: measured / profiled for name, profiled, measured in self.shapes}
+
+    @property
+    def slowest(self) -> float:
+        return max(self.ratios.values())
+
+    @property
+    def verdict(self) -> str:
+        if self.slowest > SLOW_RATIO:
+            return "slower"
+        return "faster" if min(self.ratios.values()) < 1 / SLOW_RATIO else "matches"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"profile_path": self.profile_path, "verdict": self.verdict, "slowest_ratio": self.slowest,
+                "shapes": [{"shape": name, "profile_ms": profiled * 1e3, "measured_ms": measured * 1e3,
+                            "ratio": measured / profiled} for name, profiled, measured in self.shapes]}
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {profiled * 1e3:.1f} → {measured * 1e3:.1f} ms"
+                          for name, profiled, measured in self.shapes)
+        return f"{self.slowest:.2f}× the time of `{self.profile_path}` at worst ({parts})"
+
+
+def profile_paths(machine_profile: str | None, systems: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The scenario's reference profile and every profile a target's router reads, each once, in order."""
+    paths = [machine_profile] if machine_profile else []
+    for system in systems:
+        path = (system.get("router") or {}).get("profile_path")
+        if path:
+            paths.append(str(path))
+    return list(dict.fromkeys(paths))
+
+
+def check_machine(
+    model: str, paths: Iterable[str], measure: Callable[[str], LatencyModel] | None = None,
+) -> list[MachineCheck]:
+    """One MachineCheck per profile file; the machine is measured once, and only if there is a file."""
+    paths = list(paths)
+    if not paths:
+        return []
+    if measure is None:
+        from pdserve.bench.profile import run
+
+        def measure(m: str) -> LatencyModel:
+            return run(m, quick=True)
+
+    measured = measure(model)
+    checks = []
+    for path in paths:
+        profile = LatencyProfile.load(Path(path))
+        shapes = tuple((name, seconds(profile.for_role(role)), seconds(measured)) for name, role, seconds in SHAPES)
+        checks.append(MachineCheck(str(path), shapes))
+    return checks

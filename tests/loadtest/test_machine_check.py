@@ -1,0 +1,90 @@
+"""The goodput runner's machine check: this machine's quick profile against the profile a scenario's SLOs
+were set on, at reference shapes, with a verdict in summary.json and summary.md."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from pdserve.latency_model import LatencyModel, LatencyProfile
+from pdserve.loadtest.machine import SLOW_RATIO, check_machine, profile_paths
+from pdserve.loadtest.client import RequestResult
+from pdserve.loadtest.evaluate import TargetResult
+from pdserve.loadtest.metrics import summarize
+from pdserve.loadtest.report import write_report
+from pdserve.loadtest.runner import Run
+from pdserve.loadtest.slo import SLO, IdleLatency
+from pdserve.loadtest.sweep import SweepResult
+
+
+@pytest.fixture(scope="module")
+def measured() -> LatencyModel:
+    from pdserve.bench.profile import run
+
+    return run("tiny", quick=True)  # this machine, measured for real
+
+
+def scaled(model: LatencyModel, factor: float) -> LatencyModel:
+    p, d = model.prefill, model.decode
+    return dataclasses.replace(
+        model, prefill=dataclasses.replace(p, a=p.a * factor, b=p.b * factor, c=p.c * factor, d=p.d * factor),
+        decode=dataclasses.replace(d, a=d.a * factor, b=d.b * factor, c=d.c * factor))
+
+
+def saved(tmp_path, name: str, model: LatencyModel) -> str:
+    path = tmp_path / f"{name}.json"
+    LatencyProfile({"default": model}).save(path)
+    return str(path)
+
+
+def test_profile_paths_are_the_reference_then_each_router_profile_once():
+    systems = [{"router": {"profile_path": "b.json"}}, {"mode": "colocated"}, {"router": {"profile_path": "a.json"}},
+               {"router": {"profile_path": "b.json"}}, {"router": {}}]
+    assert profile_paths("a.json", systems) == ["a.json", "b.json"]
+    assert profile_paths(None, systems) == ["b.json", "a.json"]
+    assert profile_paths(None, [{"mode": "colocated"}]) == []
+
+
+def test_nothing_is_measured_without_a_profile():
+    def fail(model: str) -> LatencyModel:
+        raise AssertionError("measured with no profile to compare")
+
+    assert check_machine("tiny", [], measure=fail) == []
+
+
+def test_verdict_follows_the_ratio_of_measured_to_profiled_time(tmp_path, measured):
+    same, fast_vm, slow_vm = (saved(tmp_path, n, scaled(measured, f)) for n, f in
+                              (("same", 1.0), ("fast-vm", 1 / (2 * SLOW_RATIO)), ("slow-vm", 2 * SLOW_RATIO)))
+    checks = check_machine("tiny", [same, fast_vm, slow_vm], measure=lambda m: measured)
+    assert [c.profile_path for c in checks] == [same, fast_vm, slow_vm]
+    assert [c.verdict for c in checks] == ["matches", "slower", "faster"]
+    assert checks[0].ratios == pytest.approx({"prefill_1024": 1.0, "decode_b1_ctx1024": 1.0, "decode_b8_ctx1024": 1.0})
+    assert checks[1].slowest == pytest.approx(2 * SLOW_RATIO)
+
+
+def test_the_real_measurement_reports_every_shape(tmp_path, measured):
+    (check,) = check_machine("tiny", [saved(tmp_path, "p", measured)])  # measured again, for real
+    assert [s[0] for s in check.shapes] == ["prefill_1024", "decode_b1_ctx1024", "decode_b8_ctx1024"]
+    assert all(profiled > 0 and now > 0 for _, profiled, now in check.shapes)
+    assert check.verdict in ("matches", "slower", "faster")  # timings are never asserted
+
+
+def one_target() -> TargetResult:
+    t = TargetResult("a", IdleLatency(0.1, 0.01), SweepResult(), slo=SLO(1.0, 0.1))
+    results = [RequestResult(i, 100, 4, 0.0, 0.0, "ok", 200, [0.1, 0.11, 0.12, 0.13], 0.13, 4) for i in range(4)]
+    t.runs[1.0] = Run(results, 4.0, summarize(results, 4.0, 1.0), 0)
+    t.sweep.points, t.sweep.goodput, t.sweep.bracket = {1.0: 1.0}, 1.0, (1.0, None)
+    return t
+
+
+def test_report_states_the_machine_verdict(tmp_path, measured):
+    slow = check_machine("tiny", [saved(tmp_path, "slow-vm", scaled(measured, 0.25))], measure=lambda m: measured)
+    out = tmp_path / "report"
+    out.mkdir()
+    write_report(out, [one_target()], SLO(1.0, 0.1), 1.0, 0.9,
+                 {"scenario": "t", "machine": [c.to_dict() for c in slow]})
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["machine"][0]["verdict"] == "slower" and summary["machine"][0]["slowest_ratio"] == pytest.approx(4)
+    md = (out / "summary.md").read_text()
+    assert "- machine: 4.00× the time of" in md and "**slower than the profile" in md
