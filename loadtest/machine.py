@@ -52,10 +52,11 @@ class MachineCheck:
                 "shapes": [{"shape": name, "profile_ms": profiled * 1e3, "measured_ms": measured * 1e3,
                             "ratio": measured / profiled} for name, profiled, measured in self.shapes]}
 
-    def describe(self) -> str:
-        parts = ", ".join(f"{name} {profiled * 1e3:.1f} → {measured * 1e3:.1f} ms"
-                          for name, profiled, measured in self.shapes)
-        return f"{self.slowest:.2f}× the time of `{self.profile_path}` at worst ({parts})"
+
+def describe(check: Mapping[str, Any]) -> str:
+    """A check's figures in one line, from its `to_dict()` form (what summary.json holds)."""
+    parts = ", ".join(f"{s['shape']} {s['profile_ms']:.1f} → {s['measured_ms']:.1f} ms" for s in check["shapes"])
+    return f"{check['slowest_ratio']:.2f}× the time of `{check['profile_path']}` at worst ({parts})"
 
 
 def profile_paths(machine_profile: str | None, systems: Iterable[Mapping[str, Any]]) -> list[str]:

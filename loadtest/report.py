@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.loadtest.evaluate import TargetResult
-from pdserve.loadtest.machine import SLOW_RATIO
+from pdserve.loadtest.machine import SLOW_RATIO, describe
 from pdserve.loadtest.metrics import prefix_hit_rate
 from pdserve.loadtest.slo import SLO
 
@@ -90,12 +90,10 @@ def _machine_lines(checks) -> list[str]:
     """One line per profile the machine was compared with (pdserve.loadtest.machine)."""
     lines = []
     for c in checks:
-        shapes = ", ".join(f"{s['shape']} {s['profile_ms']:.1f} → {s['measured_ms']:.1f} ms" for s in c["shapes"])
         verdict = {"matches": f"it matches the profile (within {SLOW_RATIO}×)"}.get(
             c["verdict"], f"**{c['verdict']} than the profile: absolute figures here do not compare with runs on a "
                           "machine that matches it**")
-        lines.append(f"- machine: {c['slowest_ratio']:.2f}× the time of `{c['profile_path']}` at worst "
-                     f"({shapes}); {verdict}")
+        lines.append(f"- machine: {describe(c)}; {verdict}")
     return lines
 
 

@@ -110,7 +110,7 @@ def run_scenario(
     port: int = 0,
 ) -> dict[str, Any]:
     """Runs every target in order and writes summary.json, summary.md and the plots into out_dir."""
-    from pdserve.loadtest.machine import check_machine, profile_paths
+    from pdserve.loadtest.machine import check_machine, describe, profile_paths
     from pdserve.loadtest.models import resolve_model
     from pdserve.loadtest.report import write_report
     from pdserve.loadtest.targets import deployed, local_serve
@@ -127,7 +127,7 @@ def run_scenario(
     started = time.monotonic()
     machine = check_machine(str(model), profile_paths(scenario.machine_profile, (t.system for t in scenario.targets)))
     for check in machine:
-        log(f"machine ({check.verdict}): {check.describe()}")
+        log(f"machine ({check.verdict}): {describe(check.to_dict())}")
     with local_serve(scenario.ray, port) as local:
         for target in scenario.targets:
             system = {"model": model, **target.system}
