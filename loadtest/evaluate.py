@@ -17,6 +17,7 @@ from pdserve.loadtest.runner import LoadConfig, Run, run_load, run_point
 from pdserve.loadtest.slo import SLO, IdleLatency, attainment, request_goodput
 from pdserve.loadtest.sweep import SweepConfig, SweepResult, find_goodput
 from pdserve.loadtest.workloads import Synthetic, TokenSource, Workload
+from pdserve.proc_cpu import ReplicaCPU
 
 PROBE_SEED = 0x1D1E
 
@@ -29,9 +30,22 @@ class TargetResult:
     runs: dict[float, Run] = field(default_factory=dict)
     slo: SLO | None = None
     system: dict[str, Any] = field(default_factory=dict)
+    # rate -> deployment -> CPU seconds its replicas burned during that run (pdserve.proc_cpu)
+    cpu: dict[float, dict[str, float]] = field(default_factory=dict)
+    # the machine checks measured just before this target was deployed (pdserve.loadtest.machine)
+    machine: list[dict[str, Any]] = field(default_factory=list)
 
     def attainment_at(self, rate: float) -> float:
         return self.sweep.points[rate]
+
+    def cpu_per_request(self, rate: float) -> dict[str, float] | None:
+        """Deployment -> replica CPU seconds per completed request at `rate`, with "all" their sum; None
+        when not measured or nothing completed."""
+        cpu, run = self.cpu.get(rate), self.runs.get(rate)
+        if not cpu or run is None or not run.summary.counts.completed:
+            return None
+        n = run.summary.counts.completed
+        return {**{dep: s / n for dep, s in cpu.items()}, "all": sum(cpu.values()) / n}
 
     def goodput_at(self, rate: float) -> float:
         run = self.runs[rate]
@@ -65,22 +79,30 @@ def measure_idle(base_url: str, model: str, tokens: TokenSource, workload: Workl
 def sweep_target(
     name: str, base_url: str, model: str, tokens: TokenSource, workload: Workload, load: LoadConfig,
     sweep: SweepConfig, slo: SLO, out_dir: Path, *, idle: IdleLatency | None = None,
-    progress: bool | None = None, log: Callable[[str], None] = print,
+    progress: bool | None = None, log: Callable[[str], None] = print, app: str | None = None,
 ) -> TargetResult:
+    """`app`: the Serve app's name when it runs on this machine; each run then also records its replicas'
+    CPU time (pdserve.proc_cpu)."""
     result = TargetResult(name, idle, SweepResult(), slo=slo)
     runs_dir = out_dir / "runs" / name
     runs_dir.mkdir(parents=True, exist_ok=True)
 
     def measure(rate: float) -> float:
+        meter = ReplicaCPU(app) if app else None
+        if meter is not None:
+            meter.start()
         run = run_point(base_url, model, tokens, workload, load, rate=rate, progress=progress,
                         label=f"{name} @ {rate:.3g} req/s")
         result.runs[rate] = run
+        if meter is not None:
+            result.cpu[rate] = meter.stop()
         value = attainment(run.results, slo)
         c = run.summary.counts
         log(f"  {name} @ {rate:.3g} req/s: attainment {value:.0%}, {c.completed}/{c.total} completed "
             f"({c.rejected} rejected, {c.errors} errors, {c.cancelled} cancelled) in {run.duration_s:.1f} s")
         record = {"target": name, "rate": rate, "attainment": value,
-                  "goodput": request_goodput(run.results, slo, run.duration_s), "slo": slo.to_dict(), **run.to_dict()}
+                  "goodput": request_goodput(run.results, slo, run.duration_s), "slo": slo.to_dict(),
+                  "replica_cpu_s": result.cpu.get(rate), **run.to_dict()}
         (runs_dir / f"rate-{rate:.4g}.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         return value
 

@@ -59,7 +59,8 @@ def summary_dict(targets: list[TargetResult], slo: SLO, cdf_rate: float, target_
     for t in targets:
         ttft = ttft_p50_ms(t, cdf_rate)
         points = [{"rate": r, "attainment": t.sweep.points[r], "goodput": t.goodput_at(r),
-                   "summary": t.runs[r].summary.to_dict()} for r in sorted(t.sweep.points)]
+                   "replica_cpu_s": t.cpu.get(r), "summary": t.runs[r].summary.to_dict()}
+                  for r in sorted(t.sweep.points)]
         out_targets.append({
             "name": t.name, "system": t.system, "idle": t.idle.to_dict() if t.idle else None,
             "goodput": t.sweep.goodput, "goodput_capped": t.sweep.capped, "bracket": list(t.sweep.bracket),
@@ -67,6 +68,7 @@ def summary_dict(targets: list[TargetResult], slo: SLO, cdf_rate: float, target_
             "prefix_hit_rate": overall_prefix_hit_rate(t),
             "prefix_hit_rate_at_cdf_rate": prefix_hit_rate_at(t, cdf_rate), "ttft_p50_ms": ttft,
             "ttft_p50_vs_baseline": ratio(ttft, base_ttft) if ttft is not None and base_ttft else None,
+            "replica_cpu_s_per_request_at_cdf_rate": t.cpu_per_request(cdf_rate), "machine": t.machine,
             "points": points,
         })
     return {
@@ -97,6 +99,42 @@ def _machine_lines(checks) -> list[str]:
     return lines
 
 
+def _drift_lines(targets: list[TargetResult]) -> list[str]:
+    """The machine check before each target, against the first profile: its speed can move between
+    targets, and then so do their goodputs, whatever the system under test does."""
+    measured = [(t.name, t.machine[0]) for t in targets if t.machine]
+    if len(measured) < 2:
+        return []
+    slowest = [check["slowest_ratio"] for _, check in measured]
+    moved = max(slowest) / min(slowest)
+    each = ", ".join(f"`{name}` {check['slowest_ratio']:.2f}×" for name, check in measured)
+    verdict = (f"**it moved {moved:.2f}× between targets, more than {SLOW_RATIO}×: their goodputs do not compare**"
+               if moved > SLOW_RATIO else f"within {moved:.2f}× of each other")
+    return [f"- machine before each target (worst ratio to `{measured[0][1]['profile_path']}`): {each}; {verdict}"]
+
+
+def _cpu_lines(targets: list[TargetResult], cdf_rate: float) -> list[str]:
+    per_request = {t.name: t.cpu_per_request(cdf_rate) for t in targets}
+    if not any(per_request.values()):
+        return []
+    deployments = sorted({d for cpu in per_request.values() if cpu for d in cpu if d != "all"})
+    base = per_request[targets[0].name]
+    lines = ["", f"## Replica CPU per completed request at {cdf_rate:g} req/s", "",
+             ("CPU seconds the app's replica processes burned during the run (utime + stime from /proc) over "
+              "the requests it completed. Where replicas share the machine's cores, this is what bounds "
+              "the rate it can sustain."), "",
+             "| target | " + " | ".join(f"`{d}` (s)" for d in deployments) + f" | all (s) | vs `{targets[0].name}` |",
+             "|---|" + "---:|" * (len(deployments) + 2)]
+    for t in targets:
+        cpu = per_request[t.name]
+        if not cpu:
+            continue
+        cells = [_fmt(cpu.get(d), 3) for d in deployments]
+        vs = _fmt_ratio(ratio(cpu["all"], base["all"])) if base else "n/a"
+        lines.append(f"| `{t.name}` | " + " | ".join(cells) + f" | {cpu['all']:.3f} | {vs} |")
+    return lines
+
+
 def _goodput_text(t: TargetResult) -> str:
     return ("≥ " if t.sweep.capped else "") + f"{t.sweep.goodput:.3g}"
 
@@ -113,7 +151,7 @@ def summary_markdown(targets: list[TargetResult], slo: SLO, cdf_rate: float, met
         f"- SLO: TTFT ≤ {slo.ttft_s * 1e3:.0f} ms and TPOT ≤ {slo.tpot_s * 1e3:.1f} ms"
         + _slo_origin(meta),
         f"- goodput: the highest offered rate with SLO attainment ≥ {target_attainment:.0%}",
-        *_machine_lines(meta.get("machine") or ()), "",
+        *_machine_lines(meta.get("machine") or ()), *_drift_lines(targets), "",
         "## Verdict", "",
     ]
     if len(targets) == 1:
@@ -176,6 +214,7 @@ def summary_markdown(targets: list[TargetResult], slo: SLO, cdf_rate: float, met
             lines.append(f"| `{t.name}` | {_pct(overall_prefix_hit_rate(t))} "
                          f"| {_pct(prefix_hit_rate_at(t, cdf_rate))} | {_fmt(ttft)} "
                          f"| {_fmt_ratio(ratio(ttft, base_ttft) if ttft is not None and base_ttft else None)} |")
+    lines += _cpu_lines(targets, cdf_rate)
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     return "\n".join(lines)
 

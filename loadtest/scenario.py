@@ -125,15 +125,23 @@ def run_scenario(
     slo = None
     results: list[TargetResult] = []
     started = time.monotonic()
-    machine = check_machine(str(model), profile_paths(scenario.machine_profile, (t.system for t in scenario.targets)))
-    for check in machine:
-        log(f"machine ({check.verdict}): {describe(check.to_dict())}")
+    paths = profile_paths(scenario.machine_profile, (t.system for t in scenario.targets))
+
+    def machine_check(target: str) -> list[dict[str, Any]]:
+        """Before each target: the machine's speed can move between targets (a cloud VM's does)."""
+        checks = [check.to_dict() for check in check_machine(str(model), paths)]
+        for check in checks:
+            log(f"[{target}] machine ({check['verdict']}): {describe(check)}")
+        return checks
+
+    machine = machine_check(scenario.targets[0].name)  # before Ray starts: a bad profile path fails first
     with local_serve(scenario.ray, port) as local:
-        for target in scenario.targets:
+        for i, target in enumerate(scenario.targets):
+            checks = machine if i == 0 else machine_check(target.name)
             system = {"model": model, **target.system}
+            app = f"loadtest-{target.name}"
             log(f"[{target.name}] deploying {system.get('mode', 'disaggregated')} system")
-            with deployed(local, system, f"loadtest-{target.name}", scenario.route_prefix,
-                          scenario.health_timeout_s) as url:
+            with deployed(local, system, app, scenario.route_prefix, scenario.health_timeout_s) as url:
                 name = _served_name(url)
                 idle = measure_idle(url, name, tokens, work, scenario.idle_requests)
                 log(f"[{target.name}] idle TTFT {idle.ttft_s * 1e3:.0f} ms, TPOT {idle.tpot_s * 1e3:.1f} ms")
@@ -142,13 +150,13 @@ def run_scenario(
                     log(f"SLO (from {target.name}): TTFT <= {slo.ttft_s * 1e3:.0f} ms, "
                         f"TPOT <= {slo.tpot_s * 1e3:.1f} ms")
                 result = sweep_target(target.name, url, name, tokens, work, load, sweep, slo, out_dir,
-                                      idle=idle, progress=progress, log=log)
-                result.system = system
+                                      idle=idle, progress=progress, log=log, app=app)
+                result.system, result.machine = system, checks
                 results.append(result)
                 log(f"[{target.name}] goodput {result.sweep.goodput:.3g} req/s"
                     + (" (every rate passed: at least)" if result.sweep.capped else ""))
     meta = {"scenario": scenario.name, "description": scenario.description, "model": str(model),
             "workload": scenario.workload, "load": scenario.load.model_dump(), "sweep": scenario.sweep.model_dump(),
             "slo_spec": scenario.slo, "slo_reference": scenario.targets[0].name,
-            "machine": [check.to_dict() for check in machine], "wall_time_s": time.monotonic() - started}
+            "machine": machine, "wall_time_s": time.monotonic() - started}
     return write_report(out_dir, results, slo, scenario.chosen_cdf_rate, sweep.target, meta)

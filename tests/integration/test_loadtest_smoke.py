@@ -45,6 +45,7 @@ def test_smoke_scenario_end_to_end(ray_serve, tmp_path):
             done = [r for r in run["requests"] if r["status"] == "ok"]
             assert all(r["output_tokens"] == r["expected_output_len"] for r in done)  # exact output lengths
             assert 0.0 <= point["attainment"] <= 1.0
+            assert point["replica_cpu_s"]["decode"] > 0  # the target's own replica processes, read from /proc
 
     md = (tmp_path / "summary.md").read_text()
     assert "## Verdict" in md and "![attainment_vs_rate](attainment_vs_rate.png)" in md

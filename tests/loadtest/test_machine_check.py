@@ -88,3 +88,36 @@ def test_report_states_the_machine_verdict(tmp_path, measured):
     assert summary["machine"][0]["verdict"] == "slower" and summary["machine"][0]["slowest_ratio"] == pytest.approx(4)
     md = (out / "summary.md").read_text()
     assert "- machine: 4.00× the time of" in md and "**slower than the profile" in md
+
+
+def named(name: str, slowest_ratio: float, cpu: dict[str, float]) -> TargetResult:
+    t = dataclasses.replace(one_target(), name=name)
+    t.machine = [{"profile_path": "p.json", "verdict": "slower", "slowest_ratio": slowest_ratio, "shapes": []}]
+    t.cpu = {1.0: cpu}
+    return t
+
+
+def test_report_states_the_machine_before_each_target_and_cpu_per_request(tmp_path):
+    steady = [named("a", 1.5, {"decode": 2.0, "router": 0.4}), named("b", 1.6, {"decode": 1.2, "router": 0.4})]
+    write_report(tmp_path, steady, SLO(1.0, 0.1), 1.0, 0.9, {"scenario": "t"})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    a, b = summary["targets"]
+    assert a["machine"][0]["slowest_ratio"] == 1.5 and b["machine"][0]["slowest_ratio"] == 1.6
+    # 4 requests completed at 1 req/s
+    assert b["replica_cpu_s_per_request_at_cdf_rate"] == pytest.approx({"decode": 0.3, "router": 0.1, "all": 0.4})
+    assert b["points"][0]["replica_cpu_s"] == {"decode": 1.2, "router": 0.4}
+    md = (tmp_path / "summary.md").read_text()
+    assert "- machine before each target (worst ratio to `p.json`): `a` 1.50×, `b` 1.60×; within 1.07×" in md
+    assert "| `a` | 0.500 | 0.100 | 0.600 | 1.00× |" in md and "| `b` | 0.300 | 0.100 | 0.400 | 0.67× |" in md
+
+    drifted = [named("a", 1.2, {"decode": 2.0}), named("b", 2.4, {"decode": 2.0})]
+    write_report(tmp_path, drifted, SLO(1.0, 0.1), 1.0, 0.9, {"scenario": "t"})
+    assert "**it moved 2.00× between targets" in (tmp_path / "summary.md").read_text()
+
+
+def test_nothing_about_drift_or_cpu_when_not_measured(tmp_path):
+    write_report(tmp_path, [one_target(), dataclasses.replace(one_target(), name="b")], SLO(1.0, 0.1), 1.0, 0.9,
+                 {"scenario": "t"})
+    md = (tmp_path / "summary.md").read_text()
+    assert "machine before each target" not in md and "Replica CPU" not in md
+    assert json.loads((tmp_path / "summary.json").read_text())["targets"][0]["replica_cpu_s_per_request_at_cdf_rate"] is None
