@@ -21,7 +21,7 @@ import numpy as np
 
 
 def chat_trace(
-    *, num_chats: int = 10, turns: tuple[int, int] = (3, 5), num_system_prompts: int = 3,
+    *, num_chats: int = 20, turns: tuple[int, int] = (3, 5), num_system_prompts: int = 3,
     system_blocks: int = 16, user_blocks: tuple[int, int] = (2, 4), reply_blocks: int = 1,
     output_len: tuple[int, int] = (24, 64), think_s: tuple[float, float] = (6.0, 14.0), seed: int = 0,
 ) -> list[dict[str, Any]]:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--block-size", type=int, default=64, help="tokens per hash id (the workload's block_size)")
-    ap.add_argument("--chats", type=int, default=10)
+    ap.add_argument("--chats", type=int, default=20)
     ap.add_argument("--system-prompts", type=int, default=3)
     ap.add_argument("--system-blocks", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
