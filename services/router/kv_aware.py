@@ -1,11 +1,18 @@
 """The `kv_aware` placement policy: cache hits weighed against load.
 
-With a latency profile, each decode replica with room is ranked by the SLOs its predictions miss, then
-by its SLO-normalised latency `TTFT / TTFT SLO + TPOT / TPOT SLO`: TTFT is the earlier of a local
-prefill there (its queue, then the prompt less the prefix it holds, beside its running decodes) and
-the best prefill replica's; TPOT is its decode step with the request in the batch. A replica holding
-the prompt's prefix prefills less, so it wins until its queue and batch cost more than the hit
-saves: a hot replica is not buried. The rest (local or remote prefill, admission) is `slo_aware`'s.
+With a latency profile, each decode replica with room gets a predicted TTFT (the earlier of a local
+prefill there: its queue, then the prompt less the prefix it holds, beside its running decodes; and
+the best prefill replica's) and TPOT (its decode step with the request in the batch). They are ranked
+1. by the SLOs their predictions miss;
+2. comfortable first: both predictions within `kv_aware_slo_headroom` of the SLOs;
+3. among comfortable replicas, the longest cached prefix: the least prefill work, and work is what
+   bounds the rate the pool sustains, so while the SLOs are safe the hit is taken even on a busier
+   replica;
+4. by the SLO-normalised latency `TTFT / TTFT SLO + TPOT / TPOT SLO`, then the most free blocks and
+   the replica id.
+A hot replica is not buried: once its queue or batch pushes a prediction past the headroom it competes
+on cost, where its hit counts only as the prefill it saves. The rest (local or remote prefill,
+admission) is `slo_aware`'s.
 
 Without a profile: among the replicas whose load (running + waiting + pending requests) is within
 `kv_aware_load_slack` of the least loaded one, the one holding the longest prefix of the prompt
@@ -54,11 +61,15 @@ class KvAware(SloAware):
             chunk, _ = self.chunk_budget(request, o, self.decode_model, decodes)
             ttft = min(self.prefill_s(request, o, self.decode_model, chunk, decodes), earliest_remote)
             misses = (ttft > request.ttft_slo_s) + (tpot > request.tpot_slo_s)
+            headroom = self.config.kv_aware_slo_headroom
+            comfortable = ttft <= headroom * request.ttft_slo_s and tpot <= headroom * request.tpot_slo_s
             cost = ttft / request.ttft_slo_s + tpot / request.tpot_slo_s
-            scored.append((misses, cost, -_free(o.replica), o.replica.replica_id, tpot, o))
-        scored.sort(key=lambda t: t[:4])
+            rank = (misses, not comfortable, -o.credit if comfortable else 0, cost, -_free(o.replica),
+                    o.replica.replica_id)
+            scored.append((rank, cost, tpot, o))
+        scored.sort(key=lambda t: t[0])
         return [(tpot, o, Candidate(o.replica.replica_id, "decode", "slo_cost", cost))
-                for _, cost, _, _, tpot, o in scored]
+                for _, cost, tpot, o in scored]
 
     def by_affinity(
         self, request: PlacementRequest, replicas: Sequence[ReplicaSnapshot]

@@ -159,6 +159,10 @@ class PlacementConfig(BaseModel):
     # kv_aware without a latency profile: replicas within this many requests of the least loaded one
     # compete on the longest cached prefix
     kv_aware_load_slack: int = Field(2, ge=0)
+    # kv_aware with a latency profile: a replica whose predicted TTFT and TPOT are both within this share
+    # of the SLOs is comfortable; among comfortable replicas the longest cached prefix wins (the least
+    # prefill work, which is capacity), and load only decides once a replica's predictions leave it
+    kv_aware_slo_headroom: float = Field(0.5, gt=0, le=1)
     # a prefill chunk step takes at most this share of the request's TTFT SLO, so requests behind a
     # long prompt wait at most about one chunk
     chunk_ttft_fraction: float = Field(0.25, gt=0, le=1)

@@ -73,6 +73,10 @@ PREDICTED = [
      [busy("d0", 10), snap("d1"), busy("d2", 5)], (False, None, "d1")),
     ("an unknown pool (None) gets no credit", req(), [],
      [snap("d0", prefix_hashes=None, num_free_blocks=990), snap("d1", num_free_blocks=999)], (False, None, "d1")),
+    ("within the SLO headroom everywhere, the hit wins on a busier replica", req(ttft=10.0, tpot=1.0), [],
+     [snap("d0"), busy("d1", 30, prefix_hashes=CACHED)], (False, None, "d1")),
+    ("past the headroom the busy replica competes on cost", req(ttft=10.0, tpot=0.1), [],
+     [snap("d0"), busy("d1", 30, prefix_hashes=CACHED)], (False, None, "d0")),
     ("disaggregated: the prefill replica holding the prefix", req(ttft=0.3), [pre("p0"), pre("p1", prefix_hashes=CACHED, queued_prefill_tokens=300)],
      [busy("d0", 20)], (True, "p1", "d0")),
     ("disaggregated: a decode replica holding the prefix prefills locally", req(ttft=0.3), [pre("p0")],
@@ -86,6 +90,17 @@ def test_kv_aware_with_a_profile(name, request_, prefill, decode, expected):
     assert isinstance(p, Placement), p
     assert (p.disaggregate, p.prefill_replica, p.decode_replica) == expected
     assert all(c.metric == "slo_cost" for c in p.candidates if c.role == "decode")
+
+
+def test_while_both_replicas_are_comfortable_the_hit_wins_over_a_lower_cost():
+    """The busy replica holding the prefix costs more by the SLO-normalised sum (its decode step is
+    slower), yet both predictions sit within half the SLOs, so the least prefill work wins; with the
+    headroom at its smallest the same replicas are ranked by cost."""
+    request, decode = req(ttft=10.0, tpot=1.0), [snap("d0"), busy("d1", 30, prefix_hashes=CACHED)]
+    p = kv_aware().place(request, [], decode)
+    cost = {c.replica_id: c.predicted_s for c in p.candidates if c.role == "decode"}
+    assert p.decode_replica == "d1" and cost["d1"] > cost["d0"]
+    assert kv_aware(kv_aware_slo_headroom=0.001).place(request, [], decode).decode_replica == "d0"
 
 
 AFFINITY = [
