@@ -108,8 +108,12 @@ def _wait_running(names: list[str], stop: threading.Event, poll_s: float = 0.5) 
 def serve_main(argv: list[str]) -> int:
     args = _serve_parser().parse_args(argv)
     stop = threading.Event()  # Ctrl-C or SIGTERM, at any moment: start-up stops at its next step, then cleanup
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def on_signal(*_) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     redis = supervisor = None
     ray_started = False
     try:
@@ -145,6 +149,9 @@ def serve_main(argv: list[str]) -> int:
         # address="local": always a fresh instance of our own, never an unrelated cluster found on the host
         ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False)
         ray_started = True
+        # ray.init replaces the SIGTERM handler with one that kills Ray's processes and exits at once, which
+        # skips Serve's shutdown and leaves Ray's agents behind: SIGTERM (Kubernetes, systemd) stops us like Ctrl-C
+        signal.signal(signal.SIGTERM, on_signal)
         try:
             check_labels(config, [node.get("Labels") or {} for node in ray.nodes() if node.get("Alive")])
             shares = fit_cpu_shares(config, ray.cluster_resources().get("CPU", 0.0))

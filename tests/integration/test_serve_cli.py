@@ -6,6 +6,7 @@ Its twin with no flags at all, `make serve` as users run it, is test_make_serve.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -92,3 +93,41 @@ def test_a_config_that_can_never_be_scheduled_fails_at_once_with_advice(tmp_path
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "cannot start" in done.stderr and "--prefill-replicas / --decode-replicas" in done.stderr
     assert "pdserve is serving" not in done.stdout
+
+
+def test_sigterm_stops_pdserve_serve_like_ctrl_c_and_leaves_no_process(tmp_path):
+    """What Kubernetes and systemd send. ray.init installs a SIGTERM handler of its own that kills Ray's
+    processes and exits at once (no Serve shutdown, Ray's agents left behind); pdserve must keep its own."""
+    import psutil
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.services.cli", "serve", "--port", str(port), "--grpc-port", "0",
+         "--model", "tiny"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    descendants: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 150
+        while _get(f"http://127.0.0.1:{port}/health") != 200:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "pdserve serve did not become healthy"
+            time.sleep(1)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        assert descendants  # Ray's processes, the replicas, Redis
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    _, alive = psutil.wait_procs(descendants, timeout=30)
+    for p in alive:  # ours: end them before anything can fail
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    output = (tmp_path / "serve.log").read_text()
+    assert proc.returncode == 0, output[-3000:]
+    assert "shutting down" in output and "pdserve serve: stopped" in output
+    assert not alive, [p.pid for p in alive]
