@@ -1,5 +1,5 @@
 """`pdserve-loadtest`: `run` (one load point against a URL), `sweep` (goodput of a URL), `scenario` (a YAML file),
-`soak` (faults and bad input under load)."""
+`soak` (faults and bad input under load), `bound` (what placement can save at most on a scenario's trace)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,11 @@ def parser() -> argparse.ArgumentParser:
     scenario.add_argument("--out", type=Path, required=True)
     scenario.add_argument("--port", type=int, default=0, help="Serve HTTP port when Serve is started here")
     scenario.add_argument("--no-progress", action="store_true")
+    bound = sub.add_parser("bound", help="a Mooncake-trace scenario's prefix hit rate and model time per request: "
+                           "the ceiling of any placement against a cache-blind one (no server)")
+    bound.add_argument("file", type=Path)
+    bound.add_argument("--batches", default="1,2,4,16", help="decode batch sizes to price a request's decode at")
+    bound.add_argument("--draws", type=int, default=200, help="random placements averaged for the cache-blind case")
     from pdserve.loadtest.soak import add_soak_args
 
     add_soak_args(sub.add_parser("soak", help="N requests with disconnects, bad inputs and replica kills; "
@@ -171,6 +176,15 @@ def scenario_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def bound_main(args: argparse.Namespace) -> int:
+    from pdserve.loadtest.placement_bound import scenario_bound
+    from pdserve.loadtest.scenario import Scenario
+
+    batches = tuple(int(b) for b in args.batches.split(","))
+    print(json.dumps(scenario_bound(Scenario.from_yaml(args.file), batches, args.draws), indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -178,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.loadtest.soak_run import soak_main
 
             return soak_main(args)
-        return {"run": run_main, "sweep": sweep_main, "scenario": scenario_main}[args.command](args)
+        return {"run": run_main, "sweep": sweep_main, "scenario": scenario_main, "bound": bound_main}[args.command](args)
     except ValueError as exc:
         print(f"pdserve-loadtest: {exc}", file=sys.stderr)
         return 2

@@ -78,6 +78,9 @@ class RunSummary:
     e2e_ms: dict[str, float | None]
     # cached prompt tokens (usage.prompt_tokens_details) / prompt tokens, over the completed requests
     prefix_hit_rate: float | None = None
+    # mean requests between their first token and their end over the run, all replicas together: the
+    # app's decode batch (what `pdserve-loadtest bound` prices a request's decode at, over the replicas)
+    decoding_concurrency: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +104,7 @@ def summarize(
         itl_ms=ms([g for m in done for g in m.itl_s]),
         e2e_ms=ms([m.e2e_s for m in done]),
         prefix_hit_rate=prefix_hit_rate(results),
+        decoding_concurrency=sum(m.e2e_s - m.ttft_s for m in done) / duration if done else None,
     )
 
 

@@ -51,6 +51,11 @@ def prefix_hit_rate_at(t: TargetResult, rate: float) -> float | None:
     return None if run is None else run.summary.prefix_hit_rate
 
 
+def decoding_at(t: TargetResult, rate: float) -> float | None:
+    run = t.runs.get(rate)
+    return None if run is None else run.summary.decoding_concurrency
+
+
 def summary_dict(targets: list[TargetResult], slo: SLO, cdf_rate: float, target_attainment: float,
                  meta: dict[str, Any]) -> dict[str, Any]:
     baseline, winner = targets[0], winner_of(targets)
@@ -205,15 +210,18 @@ def summary_markdown(targets: list[TargetResult], slo: SLO, cdf_rate: float, met
         lines += ["", "## Prefix cache", "",
                   ("Prompt tokens the server reported cached (`usage.prompt_tokens_details.cached_tokens`) over "
                    "prompt tokens of completed requests; a TTFT p50 ratio below 1: earlier first tokens than "
-                   f"`{baseline.name}`."), "",
+                   f"`{baseline.name}`. Requests decoding: the mean number between their first token and their "
+                   "end, all replicas together (the decode batch `pdserve-loadtest bound` prices at)."), "",
                   (f"| target | prefix hit rate (all runs) | at {cdf_rate:g} req/s "
-                   f"| TTFT p50 at {cdf_rate:g} req/s (ms) | TTFT p50 vs `{baseline.name}` |"),
-                  "|---|---:|---:|---:|---:|"]
+                   f"| TTFT p50 at {cdf_rate:g} req/s (ms) | TTFT p50 vs `{baseline.name}` "
+                   f"| requests decoding at {cdf_rate:g} req/s |"),
+                  "|---|---:|---:|---:|---:|---:|"]
         for t in targets:
             ttft = ttft_p50_ms(t, cdf_rate)
             lines.append(f"| `{t.name}` | {_pct(overall_prefix_hit_rate(t))} "
                          f"| {_pct(prefix_hit_rate_at(t, cdf_rate))} | {_fmt(ttft)} "
-                         f"| {_fmt_ratio(ratio(ttft, base_ttft) if ttft is not None and base_ttft else None)} |")
+                         f"| {_fmt_ratio(ratio(ttft, base_ttft) if ttft is not None and base_ttft else None)} "
+                         f"| {_fmt(decoding_at(t, cdf_rate), 2)} |")
     lines += _cpu_lines(targets, cdf_rate)
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     return "\n".join(lines)

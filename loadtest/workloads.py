@@ -127,7 +127,8 @@ class Mooncake(Workload):
     max_prompt_len: int | None = None  # longer prompts are truncated (leading blocks, and sharing, kept)
     max_output_len: int | None = None
 
-    def _records(self, n: int) -> list[dict[str, Any]]:
+    def records(self, n: int) -> list[dict[str, Any]]:
+        """The trace's first `n` requests, as written."""
         records = []
         with open(self.path, encoding="utf-8") as f:
             for line in f:
@@ -142,7 +143,7 @@ class Mooncake(Workload):
     def requests(self, tokens: TokenSource, n: int, seed: int) -> list[RequestSpec]:
         blocks: dict[int, tuple[int, ...]] = {}
         out = []
-        for index, record in enumerate(self._records(n)):
+        for index, record in enumerate(self.records(n)):
             length = int(record["input_length"])
             if self.max_prompt_len is not None:
                 length = min(length, self.max_prompt_len)
@@ -162,7 +163,7 @@ class Mooncake(Workload):
         return out
 
     def arrivals(self, n: int) -> Trace:
-        stamps = [float(r["timestamp"]) / 1000.0 for r in self._records(n)]
+        stamps = [float(r["timestamp"]) / 1000.0 for r in self.records(n)]
         return Trace(tuple(s - stamps[0] for s in stamps))
 
 

@@ -51,7 +51,9 @@ def test_report_gives_ttft_p50_ratio_and_hit_rate_per_target(tmp_path):
     assert by_name["kv_aware"]["ttft_p50_vs_baseline"] == 0.25
     assert by_name["round_robin"]["ttft_p50_vs_baseline"] == 2.0
     md = (tmp_path / "summary.md").read_text()
-    assert "## Prefix cache" in md and "| `kv_aware` | 90% | 90% | 100 | 0.25× |" in md
+    assert "## Prefix cache" in md and "| `kv_aware` | 90% | 90% | 100 | 0.25× | 0.03 |" in md
+    # 4 requests each 30 ms from first token to end, in 4 s
+    assert by_name["kv_aware"]["points"][0]["summary"]["decoding_concurrency"] == pytest.approx(0.03)
 
 
 def test_the_prefix_routing_scenario_validates():

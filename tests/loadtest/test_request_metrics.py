@@ -67,3 +67,6 @@ def test_summary_counts_and_throughput():
     assert s.tpot_ms["p50"] == pytest.approx(150.0)
     assert s.itl_ms["mean"] == pytest.approx(1e3 * (0.1 + 0.1 + 0.2) / 3)
     assert s.to_dict()["counts"]["total"] == 5
+    # decoding, first token to end: 0.2 s and 0.2 s over 2 s; failed requests do not count
+    assert s.decoding_concurrency == pytest.approx(0.2)
+    assert summarize(results[2:], duration_s=2.0).decoding_concurrency is None
