@@ -26,8 +26,7 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
+from pdserve.services.bench_clients import alternating, direct_one, http_one, levels
 from pdserve.services.bench_idle import idle_cpu_pct
 from pdserve.services.bench_steps import StepTimes, engine_steps, replica_steps
 
@@ -38,113 +37,6 @@ IDLE, IDLE_SECONDS = "idle_replica_cpu_pct", 5.0
 
 def _log(message: str) -> None:
     print(f"[bench router] {message}", file=sys.stderr, flush=True)
-
-
-Sample = tuple[float, float, int, int]  # TTFT s, E2E s, tokens, stream messages
-
-
-def _summary(samples: list[Sample]) -> dict[str, float]:
-    ttft = np.array([s[0] for s in samples]) * 1e3
-    e2e = np.array([s[1] for s in samples]) * 1e3
-    tpot = np.array([(s[1] - s[0]) / max(1, s[2] - 1) for s in samples]) * 1e3
-    num_tokens = sum(s[2] for s in samples)
-
-    def pct(values: np.ndarray, q: int) -> float:
-        return round(float(np.percentile(values, q)), 3)
-
-    return {
-        "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "e2e_ms_p50": pct(e2e, 50),
-        "e2e_ms_p99": pct(e2e, 99), "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99),
-        "messages_per_token": round(sum(s[3] for s in samples) / max(1, num_tokens), 4),
-        "num_requests": len(samples), "_ttft_ms": ttft.tolist(),  # raw TTFTs, popped by run()
-    }
-
-
-async def _closed_loop(one, prompts: list[list[int]], concurrency: int) -> list[tuple[int, Sample]]:
-    """(request index, sample) for every prompt, `concurrency` requests in flight at a time."""
-    queue: asyncio.Queue = asyncio.Queue()
-    for i, prompt in enumerate(prompts):
-        queue.put_nowait((i, prompt))
-    samples: list[tuple[int, Sample]] = []
-
-    async def worker() -> None:
-        while not queue.empty():
-            i, prompt = queue.get_nowait()
-            samples.append((i, await one(i, prompt)))
-
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return samples
-
-
-def _alternating(ones: list):
-    """Request i goes to ones[i % len(ones)]: paths measured side by side share the machine's drift."""
-    async def one(i: int, prompt: list[int]) -> Sample:
-        return await ones[i % len(ones)](i, prompt)
-
-    return one
-
-
-def _direct_one(engine, max_tokens: int):
-    from pdserve.engine.outputs import GenerationRequest
-    from pdserve.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-    async def one(i: int, prompt: list[int]) -> Sample:
-        start = time.perf_counter()
-        ttft = None
-        num_tokens = num_deltas = 0
-        async for delta in engine.generate(GenerationRequest(f"direct-{i}-{random.random()}", tuple(prompt), params)):
-            ttft = ttft if ttft is not None else time.perf_counter() - start
-            num_tokens += len(delta.token_ids)
-            num_deltas += 1
-        return ttft, time.perf_counter() - start, num_tokens, num_deltas
-
-    return one
-
-
-def _http_one(client, url: str, max_tokens: int, model: str):
-    async def one(i: int, prompt: list[int]) -> Sample:
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        start = time.perf_counter()
-        ttft = None
-        num_chunks = num_tokens = 0
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {await resp.aread()!r}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk["choices"]:
-                    ttft = ttft if ttft is not None else time.perf_counter() - start
-                    num_chunks += 1
-                elif chunk.get("usage"):
-                    num_tokens = chunk["usage"]["completion_tokens"]
-        if num_tokens != max_tokens:
-            raise RuntimeError(f"expected {max_tokens} tokens, the usage chunk says {num_tokens}")
-        return ttft, time.perf_counter() - start, num_tokens, num_chunks
-
-    return one
-
-
-async def _levels(
-    one, prompts: list[list[int]], concurrencies: list[int], num_requests: int, ways: int = 1,
-    steps: StepTimes | None = None,
-) -> list[dict[str, Any]]:
-    """A warm-up, then a closed loop at each concurrency level over max(num_requests, 4c) requests per
-    way; with `ways` > 1 (an `_alternating` one), one summary per way. `steps` is told the level."""
-    await _closed_loop(one, prompts[:4 * ways], 1)
-    out: list[dict[str, Any]] = [{} for _ in range(ways)]
-    for c in concurrencies:
-        if steps is not None:
-            steps.level = c
-        n = max(num_requests, 4 * c) * ways
-        samples = await _closed_loop(one, (prompts * (n // len(prompts) + 1))[:n], c)
-        for k in range(ways):
-            out[k][str(c)] = _summary([x for i, x in samples if i % ways == k])
-    return out
 
 
 def _routed(
@@ -199,14 +91,14 @@ def _routed(
                 engine = AsyncLLMEngine.from_config(WorkerConfig(model=model, num_cpus=1).engine_config())
                 try:
                     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
-                        ones = [steps.wrap("direct", _direct_one(engine, max_tokens), engine_steps(engine))] + [
-                            steps.wrap(name, _http_one(client, urls[name], max_tokens, served_model_name(model)),
+                        ones = [steps.wrap("direct", direct_one(engine, max_tokens), engine_steps(engine))] + [
+                            steps.wrap(name, http_one(client, urls[name], max_tokens, served_model_name(model)),
                                        replica_steps(serve.get_deployment_handle("decode", app_name=name)))
                             for name, _, _ in group]
                         if isolated:  # each path alone on the machine, one after another
-                            return [(await _levels(o, prompts, concurrencies, num_requests, steps=steps))[0]
+                            return [(await levels(o, prompts, concurrencies, num_requests, steps=steps))[0]
                                     for o in ones]
-                        return await _levels(_alternating(ones), prompts, concurrencies, num_requests, len(ones),
+                        return await levels(alternating(ones), prompts, concurrencies, num_requests, len(ones),
                                              steps)
                 finally:
                     await engine.close()
