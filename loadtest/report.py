@@ -118,6 +118,27 @@ def _drift_lines(targets: list[TargetResult]) -> list[str]:
     return [f"- machine before each target (worst ratio to `{measured[0][1]['profile_path']}`): {each}; {verdict}"]
 
 
+def _bound_lines(bound: dict[str, Any] | None) -> list[str]:
+    """`pdserve-loadtest bound` of the scenario's trace: what any placement could save on it."""
+    if not bound:
+        return []
+    hits = bound["prefix_hit_rate"]
+    lines = ["", "## Placement ceiling of the trace", "",
+             (f"`pdserve-loadtest bound` on this trace over {bound['num_replicas']} replicas: one cache that has "
+              f"seen every earlier request (the ceiling of any placement) caches {_pct(hits['ceiling'])} of "
+              f"prompt tokens, a replica drawn at random (cache-blind) {_pct(hits['cache_blind'])}.")]
+    rows = bound.get("model_time_per_request")
+    if rows:
+        lines += [("Priced with the first target's profile, the most a prefix-aware placement can raise a "
+                   "compute-bound pool's rate (cache-blind model time per request over the ceiling's), by the "
+                   "decode batch each replica runs; the requests decoding above, over the replicas, say which "
+                   "column applies."), "",
+                  "| decode batch | " + " | ".join(str(r["decode_batch"]) for r in rows) + " |",
+                  "|---|" + "---:|" * len(rows),
+                  "| capacity ratio | " + " | ".join(_fmt_ratio(r["capacity_ratio"]) for r in rows) + " |"]
+    return lines
+
+
 def _cpu_lines(targets: list[TargetResult], cdf_rate: float) -> list[str]:
     per_request = {t.name: t.cpu_per_request(cdf_rate) for t in targets}
     if not any(per_request.values()):
@@ -222,6 +243,7 @@ def summary_markdown(targets: list[TargetResult], slo: SLO, cdf_rate: float, met
                          f"| {_pct(prefix_hit_rate_at(t, cdf_rate))} | {_fmt(ttft)} "
                          f"| {_fmt_ratio(ratio(ttft, base_ttft) if ttft is not None and base_ttft else None)} "
                          f"| {_fmt(decoding_at(t, cdf_rate), 2)} |")
+    lines += _bound_lines(meta.get("placement_bound"))
     lines += _cpu_lines(targets, cdf_rate)
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     return "\n".join(lines)

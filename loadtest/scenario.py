@@ -112,6 +112,7 @@ def run_scenario(
     """Runs every target in order and writes summary.json, summary.md and the plots into out_dir."""
     from pdserve.loadtest.machine import check_machine, describe, profile_paths
     from pdserve.loadtest.models import resolve_model
+    from pdserve.loadtest.placement_bound import scenario_bound
     from pdserve.loadtest.report import write_report
     from pdserve.loadtest.targets import deployed, local_serve
     from pdserve.loadtest.workloads import TokenSource, workload
@@ -135,6 +136,8 @@ def run_scenario(
         return checks
 
     machine = machine_check(scenario.targets[0].name)  # before Ray starts: a bad profile path fails first
+    # on a trace, what any placement could save on it, beside what each target measures
+    bound = scenario_bound(scenario) if scenario.workload.get("kind") == "mooncake" else None
     with local_serve(scenario.ray, port) as local:
         for i, target in enumerate(scenario.targets):
             checks = machine if i == 0 else machine_check(target.name)
@@ -158,5 +161,5 @@ def run_scenario(
     meta = {"scenario": scenario.name, "description": scenario.description, "model": str(model),
             "workload": scenario.workload, "load": scenario.load.model_dump(), "sweep": scenario.sweep.model_dump(),
             "slo_spec": scenario.slo, "slo_reference": scenario.targets[0].name,
-            "machine": machine, "wall_time_s": time.monotonic() - started}
+            "machine": machine, "placement_bound": bound, "wall_time_s": time.monotonic() - started}
     return write_report(out_dir, results, slo, scenario.chosen_cdf_rate, sweep.target, meta)

@@ -29,6 +29,7 @@ def test_smoke_scenario_end_to_end(ray_serve, tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(summary))
     assert [t["name"] for t in summary["targets"]] == [t.name for t in scenario.targets]
     assert summary["slo"]["ttft_ms"] > 0 and summary["slo"]["tpot_ms"] > 0
+    assert summary["placement_bound"] is None  # a synthetic workload: no trace to bound
 
     for target in summary["targets"]:
         assert target["idle"]["ttft_ms"] > 0

@@ -56,6 +56,26 @@ def test_report_gives_ttft_p50_ratio_and_hit_rate_per_target(tmp_path):
     assert by_name["kv_aware"]["points"][0]["summary"]["decoding_concurrency"] == pytest.approx(0.03)
 
 
+def test_report_gives_the_placement_ceiling_of_a_trace(tmp_path):
+    from pdserve.latency_model import DecodeModel, LatencyModel, PrefillModel
+    from pdserve.loadtest.placement_bound import Models, TraceRequest, placement_bound
+
+    chats = [TraceRequest((1, 2, 10), 12, 8), TraceRequest((1, 2, 20), 12, 8), TraceRequest((1, 2, 10, 11), 16, 8)]
+    model = LatencyModel(PrefillModel(0.0, 1e-3, 0.0), DecodeModel(0.01, 0.0, 0.0), kv_bytes_per_token=8)
+    bound = placement_bound(chats, 4, 3, Models(model, model), batches=(1, 16), draws=20)
+    targets = [target("least_loaded", 10, 0.4), target("kv_aware", 90, 0.1)]
+    write_report(tmp_path, targets, SLO(1.0, 0.1), 1.0, 0.9, {"scenario": "t", "placement_bound": bound})
+    assert json.loads((tmp_path / "summary.json").read_text())["placement_bound"] == json.loads(json.dumps(bound))
+    md = (tmp_path / "summary.md").read_text()
+    assert "## Placement ceiling of the trace" in md
+    assert f"caches {bound['prefix_hit_rate']['ceiling']:.0%} of prompt tokens" in md
+    ratios = " | ".join(f"{r['capacity_ratio']:.2f}×" for r in bound["model_time_per_request"])
+    assert "| decode batch | 1 | 16 |" in md and f"| capacity ratio | {ratios} |" in md
+    # no bound (a synthetic workload): no section
+    write_report(tmp_path, targets, SLO(1.0, 0.1), 1.0, 0.9, {"scenario": "t", "placement_bound": None})
+    assert "Placement ceiling" not in (tmp_path / "summary.md").read_text()
+
+
 def test_the_prefix_routing_scenario_validates():
     from importlib.resources import files
 
