@@ -125,6 +125,16 @@ def placement_bound(
     return out
 
 
+def _as_loaded(request: TraceRequest, trace: Mooncake) -> TraceRequest:
+    """The request as the load sends it: prompt and output cut at the workload's limits, if any."""
+    prompt, output = request.input_length, request.output_length
+    if trace.max_prompt_len is not None:
+        prompt = min(prompt, trace.max_prompt_len)
+    if trace.max_output_len is not None:
+        output = min(output, trace.max_output_len)
+    return TraceRequest(request.hash_ids, prompt, max(1, output))
+
+
 def scenario_bound(scenario: Scenario, batches: Iterable[int] = (1, 2, 4, 16), draws: int = 200) -> dict[str, Any]:
     """`placement_bound` of a scenario's Mooncake trace (its first `load.num_requests` requests) over the
     replicas that run prefill in its first target, priced with that target's router profile if it has one."""
@@ -132,7 +142,7 @@ def scenario_bound(scenario: Scenario, batches: Iterable[int] = (1, 2, 4, 16), d
     if spec.pop("kind", "synthetic") != "mooncake":
         raise ValueError("bound needs a scenario whose workload is a mooncake trace")
     trace = Mooncake(**spec)
-    requests = [TraceRequest.from_record(r) for r in trace.records(scenario.load.num_requests)]
+    requests = [_as_loaded(TraceRequest.from_record(r), trace) for r in trace.records(scenario.load.num_requests)]
     system = scenario.targets[0].system
     colocated = system.get("mode", "disaggregated") == "colocated"
     num_replicas = int(system.get("decode" if colocated else "prefill", {}).get("num_replicas", 1))

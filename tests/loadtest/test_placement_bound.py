@@ -101,3 +101,22 @@ def test_bound_refuses_a_scenario_without_a_trace(tmp_path):
     done = run_cli("bound", "loadtest/scenarios/smoke.yaml")
     assert done.returncode == 2
     assert "mooncake" in done.stderr
+
+
+def test_the_bound_sees_prompts_as_the_load_cuts_them(tmp_path):
+    from pdserve.loadtest.placement_bound import scenario_bound
+    from pdserve.loadtest.scenario import Scenario
+
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": 0, "input_length": 12, "output_length": 8, "hash_ids": [1, 2, 3]},
+            {"timestamp": 1, "input_length": 16, "output_length": 8, "hash_ids": [1, 2, 3, 4]}]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def bound(**limits):
+        scenario = Scenario(name="b", workload={"kind": "mooncake", "path": str(trace), "block_size": 4, **limits},
+                            load={"num_requests": 2}, targets=[{"name": "t", "system": {"mode": "colocated"}}])
+        return scenario_bound(scenario, draws=5)
+
+    assert bound()["prefix_hit_rate"]["ceiling"] == pytest.approx(12 / 28)
+    # cut at 8 tokens, the second request's two blocks hold its last token: one block hits
+    assert bound(max_prompt_len=8)["prefix_hit_rate"]["ceiling"] == pytest.approx(4 / 16)
