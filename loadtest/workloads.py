@@ -140,13 +140,20 @@ class Mooncake(Workload):
             raise ValueError(f"{self.path} has {len(records)} requests, {n} were asked for")
         return records
 
+    def lengths(self, record: dict[str, Any]) -> tuple[int, int]:
+        """(prompt, output) tokens of a record as the load sends it: cut at the workload's limits."""
+        prompt, output = int(record["input_length"]), int(record["output_length"])
+        if self.max_prompt_len is not None:
+            prompt = min(prompt, self.max_prompt_len)
+        if self.max_output_len is not None:
+            output = min(output, self.max_output_len)
+        return prompt, max(1, output)
+
     def requests(self, tokens: TokenSource, n: int, seed: int) -> list[RequestSpec]:
         blocks: dict[int, tuple[int, ...]] = {}
         out = []
         for index, record in enumerate(self.records(n)):
-            length = int(record["input_length"])
-            if self.max_prompt_len is not None:
-                length = min(length, self.max_prompt_len)
+            length, output_len = self.lengths(record)
             ids: list[int] = []
             for hash_id in record.get("hash_ids") or ():
                 if len(ids) >= length:
@@ -156,10 +163,7 @@ class Mooncake(Workload):
                 ids.extend(blocks[hash_id])
             if len(ids) < length:
                 ids.extend(tokens.random_ids(np.random.default_rng([seed, 1, index]), length - len(ids)))
-            output_len = int(record["output_length"])
-            if self.max_output_len is not None:
-                output_len = min(output_len, self.max_output_len)
-            out.append(RequestSpec(tuple(ids[:length]), max(1, output_len)))
+            out.append(RequestSpec(tuple(ids[:length]), output_len))
         return out
 
     def arrivals(self, n: int) -> Trace:
