@@ -35,8 +35,9 @@ class TraceRequest:
     output_length: int
 
     @classmethod
-    def from_record(cls, record: dict[str, Any]) -> TraceRequest:
-        return cls(tuple(record.get("hash_ids") or ()), int(record["input_length"]), int(record["output_length"]))
+    def from_record(cls, record: dict[str, Any], trace: Mooncake) -> TraceRequest:
+        """As the load sends it (`Mooncake.lengths`)."""
+        return cls(tuple(record.get("hash_ids") or ()), *trace.lengths(record))
 
 
 def hit_tokens(request: TraceRequest, cached: set[tuple[int, ...]], block_size: int) -> int:
@@ -97,6 +98,10 @@ def placement_bound(
 ) -> dict[str, Any]:
     if not requests:
         raise ValueError("the trace has no requests")
+    batches = tuple(batches)
+    if num_replicas < 1 or draws < 1 or any(b < 1 for b in batches):
+        raise ValueError(f"replicas, draws and decode batches must be at least 1, got {num_replicas}, {draws}, "
+                         f"{list(batches)}")
     # [placements, requests]: the ceiling is one placement, the cache-blind case `draws` of them
     policies = {"ceiling": np.array([ceiling_hits(requests, block_size)]),
                 "cache_blind": cache_blind_hits(requests, block_size, num_replicas, draws, seed)}
@@ -125,16 +130,6 @@ def placement_bound(
     return out
 
 
-def _as_loaded(request: TraceRequest, trace: Mooncake) -> TraceRequest:
-    """The request as the load sends it: prompt and output cut at the workload's limits, if any."""
-    prompt, output = request.input_length, request.output_length
-    if trace.max_prompt_len is not None:
-        prompt = min(prompt, trace.max_prompt_len)
-    if trace.max_output_len is not None:
-        output = min(output, trace.max_output_len)
-    return TraceRequest(request.hash_ids, prompt, max(1, output))
-
-
 def scenario_bound(scenario: Scenario, batches: Iterable[int] = (1, 2, 4, 16), draws: int = 200) -> dict[str, Any]:
     """`placement_bound` of a scenario's Mooncake trace (its first `load.num_requests` requests) over the
     replicas that run prefill in its first target, priced with that target's router profile if it has one."""
@@ -142,7 +137,7 @@ def scenario_bound(scenario: Scenario, batches: Iterable[int] = (1, 2, 4, 16), d
     if spec.pop("kind", "synthetic") != "mooncake":
         raise ValueError("bound needs a scenario whose workload is a mooncake trace")
     trace = Mooncake(**spec)
-    requests = [_as_loaded(TraceRequest.from_record(r), trace) for r in trace.records(scenario.load.num_requests)]
+    requests = [TraceRequest.from_record(r, trace) for r in trace.records(scenario.load.num_requests)]
     system = scenario.targets[0].system
     colocated = system.get("mode", "disaggregated") == "colocated"
     num_replicas = int(system.get("decode" if colocated else "prefill", {}).get("num_replicas", 1))

@@ -120,3 +120,10 @@ def test_the_bound_sees_prompts_as_the_load_cuts_them(tmp_path):
     assert bound()["prefix_hit_rate"]["ceiling"] == pytest.approx(12 / 28)
     # cut at 8 tokens, the second request's two blocks hold its last token: one block hits
     assert bound(max_prompt_len=8)["prefix_hit_rate"]["ceiling"] == pytest.approx(4 / 16)
+
+
+@pytest.mark.parametrize("args", [("--batches", "0"), ("--batches", "2,x"), ("--draws", "0")])
+def test_bound_refuses_bad_options_with_a_message(args):
+    done = run_cli("bound", "loadtest/scenarios/prefix-routing.yaml", *args)
+    assert done.returncode == 2 and done.stderr.startswith("pdserve-loadtest: ")
+    assert "Traceback" not in done.stderr
