@@ -157,8 +157,10 @@ def sweep_main(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     result = sweep_target(args.name, url, name, tokens, work, load, config, slo, args.out, idle=idle,
                           progress=False if args.no_progress else None, log=lambda m: print(m, file=sys.stderr))
+    from pdserve.loadtest.provenance import provenance
+
     meta = {"scenario": f"sweep of {url}", "model": name, "workload": _workload_spec(args),
-            "slo_spec": spec.__dict__, "slo_reference": args.name}
+            "slo_spec": spec.__dict__, "slo_reference": args.name, "provenance": provenance()}
     summary = write_report(args.out, [result], slo, config.rates[len(config.rates) // 2], config.target, meta)
     target = summary["targets"][0]
     print(json.dumps({"goodput": target["goodput"], "goodput_capped": target["goodput_capped"],

@@ -8,6 +8,7 @@ from typing import Any
 
 from pdserve.loadtest.evaluate import TargetResult
 from pdserve.loadtest.machine import SLOW_RATIO, describe
+from pdserve.loadtest.provenance import header_line
 from pdserve.loadtest.metrics import prefix_hit_rate
 from pdserve.loadtest.slo import SLO
 
@@ -172,6 +173,7 @@ def summary_markdown(targets: list[TargetResult], slo: SLO, cdf_rate: float, met
     if meta.get("description"):
         lines += [meta["description"].strip(), ""]
     lines += [
+        header_line(meta.get("provenance")),
         f"- model: `{meta.get('model', '?')}`",
         f"- workload: `{json.dumps(meta.get('workload', {}))}`",
         f"- SLO: TTFT ≤ {slo.ttft_s * 1e3:.0f} ms and TPOT ≤ {slo.tpot_s * 1e3:.1f} ms"

@@ -14,6 +14,7 @@ from typing import Any
 
 from pdserve.loadtest.client import new_client, served_model
 from pdserve.loadtest.evaluate import TargetResult, measure_idle, sweep_target
+from pdserve.loadtest.provenance import provenance
 from pdserve.loadtest.runner import LoadConfig
 from pdserve.loadtest.slo import SLOSpec
 from pdserve.loadtest.sweep import SweepConfig
@@ -161,5 +162,6 @@ def run_scenario(
     meta = {"scenario": scenario.name, "description": scenario.description, "model": str(model),
             "workload": scenario.workload, "load": scenario.load.model_dump(), "sweep": scenario.sweep.model_dump(),
             "slo_spec": scenario.slo, "slo_reference": scenario.targets[0].name,
-            "machine": machine, "placement_bound": bound, "wall_time_s": time.monotonic() - started}
+            "machine": machine, "placement_bound": bound, "wall_time_s": time.monotonic() - started,
+            "provenance": provenance()}
     return write_report(out_dir, results, slo, scenario.chosen_cdf_rate, sweep.target, meta)

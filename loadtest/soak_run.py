@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 from pdserve.loadtest import soak_system as sys_
+from pdserve.loadtest.provenance import header_line, provenance
 from pdserve.loadtest.soak import SoakConfig, drive, plan, tally
 
 COUNTERS = (("pdserve_migrations", "reason"), ("pdserve_fallbacks", "reason"), ("pdserve_router_requests", "status"))
@@ -117,6 +118,7 @@ def run_soak(config: SoakConfig, model_spec: Any, out_dir: Path, *, port: int = 
                   "nonzero_series": leaked, "series": series},
         "rss": rss,
         "wall_time_s": round(time.monotonic() - started, 1),
+        "provenance": provenance(),
     }
     checks = {"unaccounted": result["accounting"]["unaccounted"] + warm_tally["accounting"]["unaccounted"],
               "leaks": len(leaked) + (0 if quiet_s is not None and len(replicas) == num_workers else 1),
@@ -133,6 +135,7 @@ def run_soak(config: SoakConfig, model_spec: Any, out_dir: Path, *, port: int = 
 def markdown(s: dict[str, Any]) -> str:
     c, a = s["config"], s["accounting"]
     lines = [f"# Soak: {a['total']} requests at {c['rate']:g} req/s ({'PASSED' if s['passed'] else 'FAILED'})", "",
+             header_line(s.get("provenance")), "",
              f"Model `{c['model']}`, {c['prefill_replicas']} prefill + {c['decode_replicas']} decode replicas (UCX), "
              f"{s['duration_s']} s ({s['achieved_rate']} req/s achieved); load average "
              f"{' '.join(s['loadavg_before'])} before, {' '.join(s['loadavg_after'])} after.", "",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 from pdserve.loadtest.cli import length_spec, main
@@ -102,3 +104,31 @@ def test_report_says_tie(tmp_path):
     summary = write_report(tmp_path, targets, SLO(0.5, 0.05), 1.0, 0.9, {"scenario": "t"})
     assert summary["comparison"]["winner"] is None
     assert "Tie" in (tmp_path / "summary.md").read_text()
+
+
+def test_report_header_states_commit_date_and_machine(tmp_path):
+    import subprocess
+
+    from pdserve.loadtest.provenance import provenance
+
+    meta = {"scenario": "t", "slo_reference": "disagg", "slo_spec": {}, "provenance": provenance()}
+    write_report(tmp_path, [fake_target("disagg", 0.1, 1.0)], SLO(0.5, 0.05), 2.0, 0.9, meta)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+    ran = next(line for line in (tmp_path / "summary.md").read_text().splitlines() if line.startswith("- ran:"))
+    assert f"commit `{head}" in ran and meta["provenance"]["date"] in ran
+    assert f"({os.cpu_count()} cores" in ran
+    assert json.loads((tmp_path / "summary.json").read_text())["provenance"]["host"]["cores"] == os.cpu_count()
+
+
+def test_committed_reports_state_where_they_ran():
+    import subprocess
+
+    results = Path(__file__).resolve().parents[2] / "loadtest" / "results"
+    reports = sorted(results.glob("*/summary.md"))
+    assert {p.parent.name for p in reports} >= {"disagg-vs-colocated", "prefix-routing", "router-policies", "soak"}
+    for report in reports:
+        assert any(line.startswith("- ran: committed in `") or line.startswith("- ran: commit `")
+                   for line in report.read_text().splitlines()), report
+    tracked = subprocess.run(["git", "ls-files", "--", "*/runs/*"], capture_output=True, text=True, cwd=results).stdout
+    assert tracked == "", "raw per-request records stay out of git"
