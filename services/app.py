@@ -2,14 +2,45 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from ray.serve import Application
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import CoreSchema, core_schema
 
 from pdserve.services.kvstore.config import KVStoreConfig
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.placement import PlacementConfig
 from pdserve.worker import WorkerConfig
+
+if TYPE_CHECKING:
+    from ray.serve import Application
+
+
+class Overrides:
+    """A section of partial overrides of `config`, kept as the dict of the keys it sets (merged over the
+    system's bases where the section is used). `config` itself validates every key and value as the
+    section is read, so a typo is refused with its path: `decode.max_num_seqz`."""
+
+    def __init__(self, config: type[BaseModel]) -> None:
+        self.config = config
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        given = core_schema.no_info_plain_validator_function(lambda m: m.model_dump(exclude_unset=True))
+        return core_schema.chain_schema([handler.generate_schema(self.config), given])
+
+
+class RouterSection(RouterConfig):
+    """RouterConfig with its `placement` overrides validated as a PlacementConfig."""
+
+    placement: Annotated[dict[str, Any], Overrides(PlacementConfig)] = Field(default_factory=dict)
+
+
+WorkerOverrides = Annotated[dict[str, Any], Overrides(WorkerConfig)]
+RouterOverrides = Annotated[dict[str, Any], Overrides(RouterSection)]
+KVStoreOverrides = Annotated[dict[str, Any], Overrides(KVStoreConfig)]
 
 
 class SystemConfig(BaseModel):
@@ -20,10 +51,11 @@ class SystemConfig(BaseModel):
     transport: Literal["ucx", "redis"] = "ucx"
     kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = "auto"  # both roles; a role's own override must agree
     redis_url: str | None = None  # None: no Redis tier (ucx transport only, no kvstore)
-    prefill: dict[str, Any] = Field(default_factory=dict)  # WorkerConfig overrides
-    decode: dict[str, Any] = Field(default_factory=dict)
-    router: dict[str, Any] = Field(default_factory=dict)  # RouterConfig overrides
-    kvstore: dict[str, Any] = Field(default_factory=dict)  # KVStoreConfig overrides
+    # each section: the keys it overrides, over the bases above (`worker`, `kvstore_config`, `build_system`)
+    prefill: WorkerOverrides = Field(default_factory=dict)
+    decode: WorkerOverrides = Field(default_factory=dict)
+    router: RouterOverrides = Field(default_factory=dict)
+    kvstore: KVStoreOverrides = Field(default_factory=dict)
     # OTEL_* variables for every replica (over each process's environment), e.g. an OTLP endpoint
     tracing_env: dict[str, str] = Field(default_factory=dict)
 
@@ -63,6 +95,42 @@ class SystemConfig(BaseModel):
         if not self.redis_url:
             return None
         return KVStoreConfig.model_validate({"redis_url": self.redis_url, **self.kvstore})
+
+
+def config_errors(exc: ValidationError) -> list[str]:
+    """One line per error in a SystemConfig, led by the key's path: `decode.max_num_seqz: unknown key`."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        loc = error["loc"]
+        if error["type"] == "extra_forbidden":
+            near = difflib.get_close_matches(str(loc[-1]), _keys_at(loc[:-1]), n=1)
+            message = "unknown key" + (f" (did you mean {near[0]}?)" if near else "")
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+            given = error["input"]
+            if not isinstance(given, dict | list) and repr(given) not in message:
+                message += f" (got {given!r})"
+        path = ".".join(str(part) for part in loc)
+        lines.append(f"{path}: {message}" if path else message)
+    return lines
+
+
+def _keys_at(loc: tuple[int | str, ...]) -> list[str]:
+    model: type[BaseModel] | None = SystemConfig
+    for name in loc:
+        field = model.model_fields.get(str(name)) if model is not None else None
+        model = _section_model(field) if field is not None else None
+    return list(model.model_fields) if model is not None else []
+
+
+def _section_model(field: FieldInfo) -> type[BaseModel] | None:
+    for meta in field.metadata:
+        if isinstance(meta, Overrides):
+            return meta.config
+    for kind in (field.annotation, *get_args(field.annotation)):
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            return kind
+    return None
 
 
 def build_system(config: SystemConfig | dict[str, Any]) -> Application:

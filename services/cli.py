@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from pdserve.models.resolve import DEFAULT_MODEL
 
@@ -39,10 +40,36 @@ def _serve_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config(args: argparse.Namespace, redis_url: str | None):
-    from pdserve.services.app import SystemConfig
+class ConfigError(ValueError):
+    """Settings `pdserve serve` refuses before starting anything: one line per problem, each naming its key."""
 
-    base = SystemConfig.from_yaml(args.config).model_dump(exclude_unset=True) if args.config else {}
+
+def _read_config(path: str) -> dict[str, Any]:
+    """The settings a config file sets, validated as a SystemConfig."""
+    import yaml
+    from pydantic import ValidationError
+
+    from pdserve.services.app import SystemConfig, config_errors
+
+    try:
+        return SystemConfig.from_yaml(path).model_dump(exclude_unset=True)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else path
+        raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    except ValidationError as exc:
+        raise ConfigError("\n".join(f"{path}: {line}" for line in config_errors(exc))) from None
+
+
+def _config(args: argparse.Namespace, redis_url: str | None):
+    """The config file's settings with the flags over them; raises ConfigError."""
+    from pydantic import ValidationError
+
+    from pdserve.services.app import SystemConfig, config_errors
+
+    base = _read_config(args.config) if args.config else {}
     for key in ("model", "mode", "transport", "kv_cache_dtype"):
         if getattr(args, key):
             base[key] = getattr(args, key)
@@ -56,18 +83,19 @@ def _config(args: argparse.Namespace, redis_url: str | None):
         base.setdefault("router", {})["api_keys"] = args.api_key
     if args.api_key_file:
         base.setdefault("router", {})["api_keys_file"] = str(Path(args.api_key_file).resolve())
-    return SystemConfig.model_validate(base)
+    try:
+        return SystemConfig.model_validate(base)
+    except ValidationError as exc:
+        raise ConfigError("\n".join(config_errors(exc))) from None
 
 
-def _start_redis(args: argparse.Namespace):
+def _start_redis(config):
     """A local Redis with a generated AUTH password and the kvstore's settings, and its supervisor."""
     from pdserve.redis_health import redis_settings
     from pdserve.redis_server import RedisServer, RedisSupervisor, generate_password
-    from pdserve.services.app import SystemConfig
     from pdserve.services.kvstore.config import KVStoreConfig
 
-    overrides = SystemConfig.from_yaml(args.config).kvstore if args.config else {}
-    kv = KVStoreConfig.model_validate(overrides)
+    kv = KVStoreConfig.model_validate(config.kvstore)
     server = RedisServer(password=generate_password(),
                          settings=redis_settings(kv.maxmemory_bytes, kv.maxmemory_policy)).start()
     supervisor = RedisSupervisor(server, report=lambda message: print(f"pdserve serve: {message}", flush=True))
@@ -107,6 +135,12 @@ def _wait_running(names: list[str], stop: threading.Event, poll_s: float = 0.5) 
 
 def serve_main(argv: list[str]) -> int:
     args = _serve_parser().parse_args(argv)
+    try:
+        config = _config(args, args.redis_url)  # the file and the flags, refused before Redis or Ray starts
+    except ConfigError as exc:
+        for line in str(exc).splitlines():
+            print(f"pdserve serve: {line}", file=sys.stderr, flush=True)
+        return 2
     stop = threading.Event()  # Ctrl-C or SIGTERM, at any moment: start-up stops at its next step, then cleanup
 
     def on_signal(*_) -> None:
@@ -132,7 +166,7 @@ def serve_main(argv: list[str]) -> int:
         redis_url = args.redis_url
         if redis_url is None and find_server_binary():
             try:
-                redis, supervisor = _start_redis(args)
+                redis, supervisor = _start_redis(config)
             except (RedisSettingsError, RuntimeError) as exc:  # settings not kept, or the server would not start
                 print(f"pdserve serve: cannot start Redis: {exc}", file=sys.stderr, flush=True)
                 return 2

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from pdserve.engine.async_engine import AsyncLLMEngine
-from pdserve.kvcache.handoff import engine_layout, engine_pool
-from pdserve.kvcache.transports import KVTransport, create_transport
-from pdserve.kvcache.transports.ucx_env import UCXConfig
+if TYPE_CHECKING:  # the config validates without torch (`pdserve serve` refuses a bad file before any import)
+    from pdserve.config import EngineConfig, SpeculativeConfig
+    from pdserve.engine.async_engine import AsyncLLMEngine
+    from pdserve.kvcache.transports import KVTransport
 
 UCX_HOST_ENV = "PDSERVE_UCX_HOST"
 
@@ -28,6 +27,8 @@ class SpeculativeSettings(BaseModel):
     disable_by_batch_size: int | None = Field(None, ge=1)
 
     def engine_config(self) -> SpeculativeConfig:
+        from pdserve.config import SpeculativeConfig
+
         return SpeculativeConfig(**self.model_dump())
 
 
@@ -77,6 +78,8 @@ class WorkerConfig(BaseModel):
         return self.ucx_host or os.environ.get(UCX_HOST_ENV) or "127.0.0.1"
 
     def engine_config(self) -> EngineConfig:
+        from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
         return EngineConfig(
             model=self.model, device=self.device, dtype=self.dtype, lease_ttl_s=self.lease_ttl_s,
             num_threads=max(1, int(self.num_cpus)),
@@ -112,6 +115,10 @@ class WorkerConfig(BaseModel):
 
 
 def build_transport(config: WorkerConfig, engine: AsyncLLMEngine) -> KVTransport:
+    from pdserve.kvcache.handoff import engine_layout, engine_pool
+    from pdserve.kvcache.transports import create_transport
+    from pdserve.kvcache.transports.ucx_env import UCXConfig
+
     pool, layout = engine_pool(engine), engine_layout(engine)
     release = engine.release_lease_quietly
     if config.transport == "redis":
