@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve.sampling_params import SamplingParams
 
@@ -106,6 +106,21 @@ class WorkerRequest:
         return dataclasses.replace(self, replica=replica)
 
 
+R = TypeVar("R", bound=Any)
+
+
+def resumed(request: R, sent: Sequence[int]) -> R:
+    """`request` continued after `sent`, output tokens its client already has: they become the prompt's
+    resumed tail, the token budget shrinks by as many, their seeded draws are skipped, and prompt logprobs
+    (delivered already) are not computed again. For a WorkerRequest (a migrated stream) and the engine's
+    GenerationRequest (a decode replica prefilling locally after a failed import) alike."""
+    k, r = len(sent), request
+    params = dataclasses.replace(r.params, max_tokens=r.params.max_tokens - k, prompt_logprobs=None,
+                                 min_tokens=max(0, r.params.min_tokens - k))
+    return dataclasses.replace(r, prompt_token_ids=(*r.prompt_token_ids, *sent), params=params,
+                               rng_offset=r.rng_offset + k, num_resumed_tokens=r.num_resumed_tokens + k)
+
+
 @dataclass(frozen=True, slots=True)
 class TokenBatch:
     """Tokens a choice produced since the previous batch, with their text and logprobs."""
@@ -134,19 +149,6 @@ class TokenBatch:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @classmethod
-    def joined(cls, parts: Sequence[TokenBatch]) -> TokenBatch:
-        """One batch equal to `parts` (one choice's, in order): tokens, text and logprobs joined, the end
-        state of the last, the once-only fields (cached tokens, prompt logprobs) of the first."""
-        first, last = parts[0], parts[-1]
-        if len(parts) == 1:
-            return first
-        logprobs = None if first.logprobs is None else tuple(lp for p in parts for lp in p.logprobs or ())
-        top = None if first.top_logprobs is None else tuple(t for p in parts for t in p.top_logprobs or ())
-        return cls(tuple(t for p in parts for t in p.token_ids), "".join(p.text for p in parts), last.finished,
-                   last.finish_reason, last.stop_reason, logprobs, top, last.num_prompt_tokens,
-                   last.num_output_tokens, first.num_cached_tokens, first.prompt_logprobs, first.prompt_top_logprobs)
 
 
 @dataclass(frozen=True, slots=True)

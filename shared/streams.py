@@ -2,15 +2,17 @@
 arrived while the consumer was away. When the consumer keeps up each batch is one item and nothing
 waits on a timer; when it lags, batches grow, so each hop downstream carries fewer, larger messages.
 `interval_s` > 0 caps the rate instead (a batch at most every interval after the first), for
-comparison with fixed-interval streaming. No torch here: the router uses it.
+comparison with fixed-interval streaming. `merged` joins one choice's items of a batch into one.
+No torch here: the router uses it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import AsyncIterator
-from typing import TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -66,3 +68,28 @@ async def batches(items: AsyncIterator[T], interval_s: float = 0.0) -> AsyncIter
         aclose = getattr(items, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+# fields joined across parts, and fields set once (on the first part that has them); the rest is the last's
+_JOINED = ("token_ids", "text", "logprobs", "top_logprobs")
+_ONCE = ("num_cached_tokens", "kv_handoff", "queue_time_s", "num_prefill_chunks", "prompt_logprobs",
+         "prompt_top_logprobs")
+
+
+def merged(parts: Sequence[T]) -> T:
+    """One item equal to `parts` (one choice's consecutive token deltas or batches, in order): tokens, text and
+    logprobs joined, the end state of the last, the once-only fields (queue time, cached tokens, handoff,
+    prompt logprobs) of the first that has them. Works on the engine's TokenDelta and the contract's TokenBatch."""
+    if len(parts) == 1:
+        return parts[0]
+    names = {f.name for f in dataclasses.fields(parts[-1])}
+    changes: dict[str, Any] = {}
+    for name in _JOINED:
+        values = [getattr(p, name) for p in parts]
+        if name == "text":
+            changes[name] = "".join(values)
+        elif any(v is not None for v in values):
+            changes[name] = tuple(x for v in values for x in v or ())
+    for name in (n for n in _ONCE if n in names):
+        changes[name] = next((v for p in parts if (v := getattr(p, name))), getattr(parts[0], name))
+    return dataclasses.replace(parts[-1], **changes)

@@ -12,15 +12,15 @@ from opentelemetry import trace
 from ray import serve
 from ray.serve import Application
 
-from pdserve.contract import DecodeEvent, FallbackNotice, HandoffParams, TokenBatch, WorkerRequest
+from pdserve.contract import DecodeEvent, FallbackNotice, HandoffParams, TokenBatch, WorkerRequest, resumed
 from pdserve.engine.async_engine import AsyncLLMEngine
-from pdserve.engine.coalesce import merge_deltas
 from pdserve.engine.outputs import GenerationRequest
 from pdserve import trace_attributes as ta
 from pdserve.kvcache.handoff import KVImporter, engine_layout
 from pdserve.kvcache.prefix_pull import PrefixPuller
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
+from pdserve.streams import merged
 from pdserve.telemetry import Telemetry
 from pdserve.worker import WorkerConfig, build_transport
 from pdserve.worklink import LinkServer
@@ -70,7 +70,7 @@ class DecodeDeployment(WorkerEndpoints):
             stream = self.engine.generate_batches(gen, self.config.stream_interval_ms / 1e3 if coalesce else 0.0)
             async with aclosing(stream) as batches:  # closed at once when the caller goes: the engine aborts
                 async for batch in batches:
-                    for delta in ([merge_deltas(batch)] if coalesce and len(batch) > 1 else batch):
+                    for delta in ([merged(batch)] if coalesce and len(batch) > 1 else batch):
                         if num_tokens == 0:
                             queue = delta.queue_time_s or 0.0
                             metrics.observe_queue(queue)
@@ -110,11 +110,7 @@ class DecodeDeployment(WorkerEndpoints):
         self.telemetry.metrics.count_fallback(result.fallback_reason)
         span.set_attribute(ta.FALLBACK_REASON, result.fallback_reason)
         span.add_event(ta.EVENT_FALLBACK, {ta.FALLBACK_REASON: result.fallback_reason, "error": result.error or ""})
-        rest = dataclasses.replace(gen.params, max_tokens=gen.params.max_tokens - 1,
-                                   min_tokens=max(0, gen.params.min_tokens - 1))
-        local = dataclasses.replace(gen, prompt_token_ids=(*gen.prompt_token_ids, first_token_id), params=rest,
-                                    num_resumed_tokens=gen.num_resumed_tokens + 1, rng_offset=gen.rng_offset + 1)
-        return local, FallbackNotice(result.fallback_reason, result.error)
+        return resumed(gen, (first_token_id,)), FallbackNotice(result.fallback_reason, result.error)
 
     def link_server(self) -> LinkServer:
         return LinkServer(self.link_token, generate=self.generate, stats=self.link_stats,

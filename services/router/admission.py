@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,3 +209,41 @@ def _tokenize(
             raise bad_request(f"{where} is empty after tokenization", param="prompt")
         out.append(ids)
     return tuple(out)
+
+
+class Admission:
+    """Everything a request must pass before it touches a replica, in one call per API: the API key, the
+    body (size, JSON, the SLO headers), validation and tokenization, and room in flight. Raises APIError."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.api_keys = config.resolved_api_keys()
+
+    def authorize(self, authorization: str) -> None:
+        check_authorization(authorization, self.api_keys)
+
+    async def http(self, request: Request, chat: bool, num_inflight: int) -> Prepared:
+        self.authorize(request.headers.get("authorization", ""))
+        data = merge_slo_headers(await read_json(request, self.config.max_body_bytes), request.headers)
+        return self.admit(data, chat, num_inflight)
+
+    def grpc(self, authorization: str, num_bytes: int, body: Callable[[], tuple[dict[str, Any], bool]],
+             num_inflight: int) -> Prepared:
+        """`body()`: the request as an OpenAI body and whether it is a chat, read only after the size check."""
+        self.authorize(authorization)
+        if num_bytes > self.config.max_body_bytes:
+            raise APIError(413, f"request exceeds {self.config.max_body_bytes} bytes",
+                           code="request_too_large", reason="body_too_large")
+        data, chat = body()
+        return self.admit(data, chat, num_inflight)
+
+    def admit(self, data: dict[str, Any], chat: bool, num_inflight: int) -> Prepared:
+        prepared = prepare(data, chat, self.config, self.tokenizer, self.vocab_size)
+        if num_inflight >= self.config.max_inflight:
+            raise APIError(429, f"too many requests in flight ({self.config.max_inflight}); retry later",
+                           code="too_many_requests", reason="overloaded",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+        return prepared
+

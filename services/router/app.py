@@ -17,13 +17,7 @@ from pdserve.models.resolve import resolve_model_path
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.services.router import openai_api as oa
 from pdserve.latency_model import LatencyProfile
-from pdserve.services.router.admission import (
-    Prepared,
-    check_auth,
-    merge_slo_headers,
-    prepare,
-    read_json,
-)
+from pdserve.services.router.admission import Admission, Prepared
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch import DispatchMixin, prediction_attributes
 from pdserve.services.router.errors import APIError, error_body, install_error_handlers
@@ -39,6 +33,7 @@ from pdserve.telemetry import Telemetry
 from pdserve.services.router.placement import Placement, PlacementConfig, PlacementRequest, Rejection
 from pdserve.services.router.placer import Placer
 from pdserve.services.router.redis_tier import RedisTierWatch
+from pdserve.services.router.workers import Workers
 from pdserve.worklink import LinkClient
 from pdserve.services.router.streaming import SSEResponse, first_event, prepend, sse_stream, upstream_error
 from ray import serve
@@ -102,13 +97,10 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         kvstore: DeploymentHandle | None = None,
     ) -> None:
         self.config = RouterConfig.model_validate(config)
-        self.api_keys = self.config.resolved_api_keys()
-        self.prefill = prefill
-        self.decode = decode
         self.kvstore = kvstore  # the Redis tier's index, when there is one
         model_dir = resolve_model_path(self.config.model)
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.vocab_size = _model_vocab_size(model_dir, self.tokenizer)
+        self.admission = Admission(self.config, self.tokenizer, _model_vocab_size(model_dir, self.tokenizer))
         slo = SloWindow(self.config.slo_window_s, self.config.slo_ttft_s, self.config.slo_tpot_s)
         self.telemetry = Telemetry("router", self.config.served_model_name, self.config.tracing_env, slo=slo)
         self.metrics = self.telemetry.metrics
@@ -117,11 +109,11 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         placement = PlacementConfig.model_validate({
             "disaggregate_min_prompt_tokens": self.config.disaggregate_min_prompt_tokens, **self.config.placement})
         profile = LatencyProfile.from_dict(self.config.profile) if self.config.profile else None
-        self.links = LinkClient()
         self.placer = Placer(placement, profile, _app_name(), prefill is not None,
                              workers={"prefill": prefill, "decode": decode}, kvstore=kvstore,
-                             links=self.links if self.config.worker_link else None,
+                             links=LinkClient() if self.config.worker_link else None,
                              on_poll=self.api_metrics.count_stats_poll)
+        self.workers = Workers(prefill, decode, self.placer.poller, self.api_metrics.count_worker_call)
         self.num_inflight = 0
         self.created = int(time.time())
         self._background: set[asyncio.Task] = set()
@@ -134,7 +126,8 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         await self.placer.close()
         if self.redis_tier is not None:
             await self.redis_tier.close()
-        await self.links.close()
+        if self.workers.links is not None:
+            await self.workers.links.close()
         self.telemetry.close()
 
     # ---- open endpoints
@@ -149,7 +142,7 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         poller = self.placer.poller
         await poller.ready(self.config.health_timeout_s)
         roles = {"decode": len(poller.snapshots("decode"))}
-        if self.prefill is not None and self.config.mode == "disaggregated":
+        if self.workers.prefill_handle is not None and self.config.mode == "disaggregated":
             roles["prefill"] = len(poller.snapshots("prefill"))
         tier = {}
         if self.redis_tier is not None:
@@ -175,7 +168,7 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         to `metrics_staleness_s`."""
         self.placer.start()
         calls, live = [], set()
-        for role, handle in (("prefill", self.prefill), ("decode", self.decode)):
+        for role, handle in (("prefill", self.workers.prefill_handle), ("decode", self.workers.decode_handle)):
             if handle is None:
                 continue
             replicas = [s.replica for s in self.placer.poller.snapshots(role)]
@@ -198,7 +191,7 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
     @fastapi_app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         try:
-            check_auth(request, self.api_keys)
+            self.admission.authorize(request.headers.get("authorization", ""))
         except APIError as err:
             return self._reject(err, "models")
         return JSONResponse(oa.model_list(self.config.served_model_name, self.config.max_model_len, self.created))
@@ -214,10 +207,9 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
     async def _serve(self, request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         try:
-            check_auth(request, self.api_keys)
-            data = merge_slo_headers(await read_json(request, self.config.max_body_bytes), request.headers)
+            prepared = await self.admission.http(request, chat, self.num_inflight)
             parent = self.telemetry.tracing.context_from_headers(request.headers)
-            prepared, meta, events = await self._start(data, chat, request.state.request_id, parent)
+            meta, events = await self._start(prepared, request.state.request_id, parent)
             first = await first_event(events, self.config.retry_after_s)
         except APIError as err:
             return self._reject(err, endpoint)
@@ -246,16 +238,12 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
             await events.aclose()
 
     async def _start(
-        self, data: dict[str, Any], chat: bool, request_id: str, parent=None
-    ) -> tuple[Prepared, oa.ResponseMeta, AsyncIterator[tuple[int, dict]]]:
-        """Admits a parsed body (raises APIError, touching no engine) and starts it under a SERVER span
-        (child of `parent`, the caller's trace context). The caller must iterate or `aclose()` the
-        returned (choice index, event) stream: closing aborts everywhere."""
-        prepared = prepare(data, chat, self.config, self.tokenizer, self.vocab_size)
-        if self.num_inflight >= self.config.max_inflight:
-            raise APIError(429, f"too many requests in flight ({self.config.max_inflight}); retry later",
-                           code="too_many_requests", reason="overloaded",
-                           headers={"Retry-After": str(self.config.retry_after_s)})
+        self, prepared: Prepared, request_id: str, parent=None
+    ) -> tuple[oa.ResponseMeta, AsyncIterator[tuple[int, dict]]]:
+        """Places an admitted request (raises APIError(429) when no replica meets its SLOs) and starts it
+        under a SERVER span (child of `parent`, the caller's trace context). The caller must iterate or
+        `aclose()` the returned (choice index, event) stream: closing aborts everywhere."""
+        chat = prepared.chat
         meta = oa.ResponseMeta(("chatcmpl-" if chat else "cmpl-") + request_id, self.config.served_model_name, chat)
         tracing = self.telemetry.tracing
         span = tracing.start_span(ta.request_span_name(ta.operation_name(chat), meta.model), context=parent,
@@ -281,7 +269,7 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
             self.metrics.count_decision("disaggregate" if placement.disaggregate else "skip", placement.reason,
                                         prepared.n)
         self.metrics.add_prompt_tokens(prepared.num_prompt_tokens * prepared.n)
-        return prepared, meta, self._merged(request_id, prepared, placements, span, meta)
+        return meta, self._merged(request_id, prepared, placements, span, meta)
 
     async def _place(self, p: Prepared, prompt_ids: tuple[int, ...]) -> Placement:
         """One prompt's placement by the policy over live replica stats (until they arrive, the

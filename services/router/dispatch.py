@@ -15,11 +15,11 @@ from opentelemetry import trace
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from pdserve import trace_attributes as ta
-from pdserve.contract import FallbackNotice, PrefillResult, TokenBatch, WorkerRequest
+from pdserve.contract import FallbackNotice, PrefillResult, TokenBatch, WorkerRequest, resumed
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
 from pdserve.services.router.placement import Placement
-from pdserve.worklink import Link, WorkerUnavailable
+from pdserve.worklink import WorkerUnavailable
 
 
 logger = logging.getLogger(__name__)
@@ -28,30 +28,12 @@ WORKER_GONE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableErro
 
 
 class DispatchMixin:
-    """RouterDeployment's request execution; uses its prefill/decode handles, worker links, telemetry,
-    metrics, _enter/_exit and _background. A call to a replica whose link address the stats poller has
-    seen goes over the link; any other through Serve's handle (which picks the replica if none is named)."""
-
-    def _link(self, role: str, replica: str | None) -> Link | None:
-        if replica is None or not self.config.worker_link:
-            return None
-        stats = self.placer.poller.latest(role, replica)
-        if stats is None or not stats.stats.get("link"):
-            return None
-        return Link(stats.stats["link"], stats.stats.get("link_token", ""))
-
-    def _decode_stream(self, request: WorkerRequest, *handoff):
-        """The decode call's events, cancellable (`.cancel()`); `handoff`: (params, first token id)."""
-        address = self._link("decode", request.replica)
-        self.api_metrics.count_worker_call("decode", "link" if address else "serve")
-        if address:
-            return self.links.generate(address, request, *handoff)
-        return self.decode.options(stream=True).generate.remote(request, *handoff)
+    """RouterDeployment's request execution; uses its `workers` (services.router.workers), telemetry,
+    metrics, _enter/_exit and _background."""
 
     def _abort_lease(self, replica: str | None, lease_id: str) -> None:
         """Frees a prefill lease nobody will pull, on the replica that holds it."""
-        address = self._link("prefill", replica)
-        self._spawn(self.links.abort(address, lease_id) if address else self.prefill.abort.remote(lease_id))
+        self._spawn(self.workers.abort(replica, lease_id))
 
     async def _merged(
         self, request_id: str, p: Prepared, placements: list[Placement], span, meta: oa.ResponseMeta
@@ -154,11 +136,11 @@ class DispatchMixin:
                 # prefill delivered the prompt logprobs: decode (a fallback included) must not compute them again
                 decode = dataclasses.replace(request.to(placement.decode_replica),
                                              params=dataclasses.replace(params, prompt_logprobs=None))
-                stream = self._decode_stream(decode, handoff, first.first.token_ids[0])
+                stream = self.workers.generate(decode, handoff, first.first.token_ids[0])
                 sent.extend(first.first.token_ids)
                 yield first.first
             else:
-                stream = self._decode_stream(request.to(placement.decode_replica))
+                stream = self.workers.generate(request.to(placement.decode_replica))
             replica, num_migrations = placement.decode_replica, 0
             while True:
                 try:
@@ -197,10 +179,10 @@ class DispatchMixin:
         `migration_timeout_s` for a replica that answered after the failure; re-raises `exc` if none does."""
         failed_at = time.monotonic()
         if dead is not None:
-            self.placer.poller.forget("decode", dead)
+            self.workers.forget("decode", dead)
         deadline = failed_at + self.config.migration_timeout_s
         while True:
-            live = [s for s in self.placer.poller.snapshots("decode") if s.replica != dead and s.received_at > failed_at]
+            live = [s for s in self.workers.live("decode") if s.replica != dead and s.received_at > failed_at]
             if live:
                 break
             if time.monotonic() >= deadline:
@@ -208,29 +190,21 @@ class DispatchMixin:
                 raise exc
             await asyncio.sleep(self.placer.config.stats_poll_period_s)
         target = min(live, key=lambda s: s.stats.get("num_running", 0) + s.stats.get("num_waiting", 0)).replica
-        params = request.params
-        params = dataclasses.replace(params, max_tokens=params.max_tokens - len(sent), prompt_logprobs=None,
-                                     min_tokens=max(0, params.min_tokens - len(sent)))
-        moved = dataclasses.replace(request, request_id=f"{request.request_id}-m{attempt}", params=params,
-                                    prompt_token_ids=(*request.prompt_token_ids, *sent), replica=target,
-                                    prefix_pull_blocks=0, rng_offset=request.rng_offset + len(sent),
-                                    num_resumed_tokens=request.num_resumed_tokens + len(sent))
+        moved = dataclasses.replace(resumed(request, sent), request_id=f"{request.request_id}-m{attempt}",
+                                    replica=target, prefix_pull_blocks=0)
         logger.warning("decode replica %s failed mid-stream (%s: %s); %s continues on %s after %d tokens",
                        dead, type(exc).__name__, exc, request.request_id, target, len(sent))
         self.api_metrics.count_migration("decode_unavailable")
         span.add_event(ta.EVENT_MIGRATION, {"pdserve.migration.from": dead or "", "pdserve.migration.to": target,
                                             "pdserve.migration.tokens_sent": len(sent)})
-        return target, self._decode_stream(moved)
+        return target, self.workers.generate(moved)
 
     async def _prefill(self, request: WorkerRequest) -> PrefillResult | None:
         """The prefill call, shielded: a caller cancelled while it runs (a client gone while other choices
         already stream) lets it finish and frees its lease, which nobody would pull. None when the prefill
         replica is gone (killed, crashed, none left): the decode replica then prefills locally, counted
         as a `prefill_unavailable` fallback, since nothing was sent to the client yet."""
-        address = self._link("prefill", request.replica)
-        self.api_metrics.count_worker_call("prefill", "link" if address else "serve")
-        response = self.links.prefill(address, request) if address else self.prefill.prefill.remote(request)
-        call = asyncio.ensure_future(self._await(response))
+        call = asyncio.ensure_future(self._await(self.workers.prefill(request)))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -240,7 +214,7 @@ class DispatchMixin:
             logger.warning("prefill for %s failed, decode prefills locally: %s: %s", request.request_id,
                            type(exc).__name__, exc)
             if request.replica is not None:
-                self.placer.poller.forget("prefill", request.replica)
+                self.workers.forget("prefill", request.replica)
             self.metrics.count_fallback("prefill_unavailable")
             return None
 

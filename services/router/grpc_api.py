@@ -16,7 +16,6 @@ from typing import Any
 
 import grpc
 from pdserve.services.router import openai_api as oa
-from pdserve.services.router.admission import check_authorization
 from pdserve.services.router.errors import APIError, bad_request
 from pdserve.contract import TokenBatch
 from pdserve.services.router.streaming import singles, by_choice, upstream_error
@@ -115,7 +114,7 @@ def request_id_of(grpc_context) -> str:
 
 
 class GrpcServiceMixin:
-    """GenerateService methods for RouterDeployment; uses its api_keys, config, created, api_metrics,
+    """GenerateService methods for RouterDeployment; uses its admission, config, created, api_metrics,
     telemetry, _start and _count_rejection."""
 
     async def Generate(
@@ -125,14 +124,11 @@ class GrpcServiceMixin:
         if grpc_context is not None:  # Serve sends it with the responses (an error status carries it in its details)
             grpc_context.set_trailing_metadata([(REQUEST_ID_KEY, request_id)])
         try:
-            check_authorization(_metadata(grpc_context, "authorization"), self.api_keys)
-            if request.ByteSize() > self.config.max_body_bytes:
-                raise APIError(413, f"request exceeds {self.config.max_body_bytes} bytes",
-                               code="request_too_large", reason="body_too_large")
-            body, chat = request_body(request)
+            prepared = self.admission.grpc(_metadata(grpc_context, "authorization"), request.ByteSize(),
+                                           lambda: request_body(request), self.num_inflight)
             parent = self.telemetry.tracing.context_from_headers(
                 grpc_context.invocation_metadata() if grpc_context is not None else None)
-            prepared, meta, events = await self._start(body, chat, request_id, parent)
+            meta, events = await self._start(prepared, request_id, parent)
         except APIError as err:
             raise self._grpc_reject(err, "grpc_generate", grpc_context, request_id) from None
         except Exception as exc:  # a bug, not the client's: logged, and the client gets a stable message
@@ -169,7 +165,7 @@ class GrpcServiceMixin:
 
     async def Models(self, request: pb.ModelsRequest, grpc_context=None) -> pb.ModelsResponse:
         try:
-            check_authorization(_metadata(grpc_context, "authorization"), self.api_keys)
+            self.admission.authorize(_metadata(grpc_context, "authorization"))
         except APIError as err:
             raise self._grpc_reject(err, "grpc_models", grpc_context, request_id_of(grpc_context)) from None
         listing = oa.model_list(self.config.served_model_name, self.config.max_model_len, self.created)

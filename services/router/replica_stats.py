@@ -168,6 +168,10 @@ class ReplicaStatsPoller:
         if want_events:
             await self._read_events(deployment, replica)
 
+    def link(self, role: str, replica: str) -> Link | None:
+        """The replica's worker link while it still answers; None: no link (call it through Serve)."""
+        return self._link((role, replica)) if self.latest(role, replica) is not None else None
+
     def _link(self, key: tuple[str, str]) -> Link | None:
         latest = self._latest.get(key)
         if self.links is None or latest is None or not latest.stats.get("link"):

@@ -17,7 +17,7 @@ from starlette.types import Send
 
 from pdserve.contract import TokenBatch
 from pdserve.models.tokenizer import Tokenizer
-from pdserve.streams import batches
+from pdserve.streams import batches, merged
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
 from pdserve.services.router.errors import APIError
@@ -79,7 +79,7 @@ def by_choice(batch: list[Event]) -> list[Event]:
     parts: dict[int, list[TokenBatch]] = {}
     for index, event in batch:
         parts.setdefault(index, []).append(event)
-    return [(index, TokenBatch.joined(events)) for index, events in parts.items()]
+    return [(index, merged(events)) for index, events in parts.items()]
 
 
 async def singles(events: AsyncIterator[Event]) -> AsyncIterator[list[Event]]:

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from pdserve.engine.coalesce import merge_deltas
-from pdserve.streams import batches
+from pdserve.contract import TokenBatch
+from pdserve.streams import batches, merged
 from pdserve.engine.outputs import TokenDelta
 
 
@@ -20,13 +20,21 @@ def _delta(k: int, **kw) -> TokenDelta:
 def test_merge_joins_tokens_text_logprobs_and_keeps_first_and_last_state():
     first = _delta(0, queue_time_s=0.5, num_cached_tokens=16, num_prefill_chunks=2)
     last = _delta(2, finished=True, finish_reason="stop", stop_reason="t2")
-    merged = merge_deltas([first, _delta(1), last])
-    assert merged.token_ids == (0, 1, 2) and merged.text == "t0t1t2"
-    assert merged.logprobs == (0.0, -1.0, -2.0) and len(merged.top_logprobs) == 3
-    assert (merged.finished, merged.finish_reason, merged.stop_reason) == (True, "stop", "t2")
-    assert (merged.queue_time_s, merged.num_cached_tokens, merged.num_prefill_chunks) == (0.5, 16, 2)
-    assert merged.num_output_tokens == 3
-    assert merge_deltas([first]) is first
+    one = merged([first, _delta(1), last])
+    assert one.token_ids == (0, 1, 2) and one.text == "t0t1t2"
+    assert one.logprobs == (0.0, -1.0, -2.0) and len(one.top_logprobs) == 3
+    assert (one.finished, one.finish_reason, one.stop_reason) == (True, "stop", "t2")
+    assert (one.queue_time_s, one.num_cached_tokens, one.num_prefill_chunks) == (0.5, 16, 2)
+    assert one.num_output_tokens == 3
+    assert merged([first]) is first
+
+
+def test_merge_is_the_same_for_the_routers_token_batches():
+    deltas = [_delta(0, num_cached_tokens=16, prompt_logprobs=(None, -0.5)), _delta(1),
+              _delta(2, finished=True, finish_reason="length")]
+    assert merged([TokenBatch.of(d) for d in deltas]) == TokenBatch.of(merged(deltas))
+    plain = [TokenDelta("r", (k,), f"t{k}") for k in range(3)]
+    assert merged(plain).logprobs is None and merged(plain).token_ids == (0, 1, 2)
 
 
 async def _producer(n: int, gap_s: float, log: list[str], fail_at: int | None = None):

@@ -11,6 +11,7 @@ from pdserve.contract import TokenBatch
 import grpc
 import pytest
 from pdserve.services.router import openai_api as oa
+from pdserve.services.router.admission import Admission
 from pdserve.services.router.errors import APIError
 from pdserve.services.router.grpc_api import GrpcServiceMixin, grpc_status, request_body, response_chunk
 from pdserve.metrics import ServingMetrics
@@ -89,9 +90,20 @@ class FakeContext:
         self.details = details
 
 
+class BodyAdmission(Admission):
+    """The real key and size checks; the admitted request is the body as given (no tokenizer here)."""
+
+    def __init__(self, config, keys):
+        self.config, self.api_keys = config, keys
+
+    def admit(self, data, chat, num_inflight):
+        return SimpleNamespace(data=data, chat=chat, want_logprobs=False, include_usage=True,
+                               prompt_token_ids=[1, 2, 3])
+
+
 class FakeRouter(GrpcServiceMixin):
     def __init__(self, events, keys=()):
-        self.api_keys = keys
+        self.num_inflight = 0
         self.config = SimpleNamespace(max_body_bytes=1 << 16, served_model_name="tiny", max_model_len=128,
                                       retry_after_s=1, stream_interval_s=0.0)
         self.created = 0
@@ -100,13 +112,13 @@ class FakeRouter(GrpcServiceMixin):
         self.telemetry = SimpleNamespace(tracing=Tracing.disabled())
         self.started = []
         self.events = events
+        self.admission = BodyAdmission(self.config, keys)
 
-    async def _start(self, data, chat, request_id, parent=None):
-        self.started.append((data, chat, request_id))
+    async def _start(self, prepared, request_id, parent=None):
+        self.started.append((prepared.data, prepared.chat, request_id))
         if isinstance(self.events, Exception):
             raise self.events
-        prepared = SimpleNamespace(want_logprobs=False, include_usage=True, prompt_token_ids=[1, 2, 3])
-        return prepared, oa.ResponseMeta("cmpl-" + request_id, "tiny", chat), self.events
+        return oa.ResponseMeta("cmpl-" + request_id, "tiny", prepared.chat), self.events
 
 
 def _count_rejection(self, err, endpoint):
