@@ -9,8 +9,8 @@ from typing import Any
 
 from pdserve import trace_attributes as ta
 from pdserve.contract import WorkerRequest
-from pdserve.kvcache.handoff import engine_layout
-from pdserve.kvcache.prefix_pull import PrefixPull, PrefixPuller
+from pdserve.engine.handoff import engine_layout
+from pdserve.engine.prefix_pull import PrefixPull, PrefixPuller
 from pdserve.kvcache.transports.base import KVTransport
 from pdserve.worklink import LinkServer
 

@@ -115,7 +115,7 @@ class WorkerConfig(BaseModel):
 
 
 def build_transport(config: WorkerConfig, engine: AsyncLLMEngine) -> KVTransport:
-    from pdserve.kvcache.handoff import engine_layout, engine_pool
+    from pdserve.engine.handoff import engine_layout, engine_pool
     from pdserve.kvcache.transports import create_transport
     from pdserve.kvcache.transports.ucx_env import UCXConfig
 

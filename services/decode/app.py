@@ -16,8 +16,8 @@ from pdserve.contract import DecodeEvent, FallbackNotice, HandoffParams, TokenBa
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.outputs import GenerationRequest
 from pdserve import trace_attributes as ta
-from pdserve.kvcache.handoff import KVImporter, engine_layout
-from pdserve.kvcache.prefix_pull import PrefixPuller
+from pdserve.engine.handoff import KVImporter, engine_layout
+from pdserve.engine.prefix_pull import PrefixPuller
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.streams import merged

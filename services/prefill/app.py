@@ -14,8 +14,8 @@ from pdserve.contract import HandoffParams, PrefillResult, TokenBatch, WorkerReq
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.outputs import GenerationRequest
 from pdserve import trace_attributes as ta
-from pdserve.kvcache.handoff import KVExporter
-from pdserve.kvcache.prefix_pull import PrefixPuller
+from pdserve.engine.handoff import KVExporter
+from pdserve.engine.prefix_pull import PrefixPuller
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.telemetry import Telemetry

@@ -25,7 +25,7 @@ from pdserve.bench.kvquant_decode import decode_tokens_per_s
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLM, AsyncLLMEngine, GenerationRequest, LLMEngine
 from pdserve.kernels.kv_quant import dequantize, quantize
-from pdserve.kvcache.handoff import KVExporter, KVImporter, engine_layout, engine_pool
+from pdserve.engine.handoff import KVExporter, KVImporter, engine_layout, engine_pool
 from pdserve.kvcache.layout import layout_of
 from pdserve.models.config import load_model_config
 from pdserve.models.resolve import resolve_model_path

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine import AsyncLLMEngine, GenerationRequest, LLMEngine
-from pdserve.kvcache.handoff import KVExporter, KVImporter, engine_layout, engine_pool
+from pdserve.engine.handoff import KVExporter, KVImporter, engine_layout, engine_pool
 from pdserve.kvcache.transports.base import KVTransferError
 from pdserve.kvcache.transports.redis import RedisTransport
 from pdserve.models.tiny import ensure_tiny_checkpoint

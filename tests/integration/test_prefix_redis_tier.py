@@ -12,8 +12,8 @@ import redis
 
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine import AsyncLLMEngine, GenerationRequest, LLMEngine
-from pdserve.kvcache.handoff import KVExporter, engine_layout, engine_pool
-from pdserve.kvcache.prefix_pull import PrefixPuller
+from pdserve.engine.handoff import KVExporter, engine_layout, engine_pool
+from pdserve.engine.prefix_pull import PrefixPuller
 from pdserve.kvcache.transports.redis import RedisTransport, block_key
 from pdserve.models.tiny import ensure_tiny_checkpoint
 from pdserve.prefix_hash import prompt_block_hashes

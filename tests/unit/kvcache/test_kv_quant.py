@@ -11,7 +11,7 @@ import torch
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLM, AsyncLLMEngine, GenerationRequest, LLMEngine
 from pdserve.kernels.kv_quant import QuantizedCache, dequantize, quantize
-from pdserve.kvcache.handoff import KVExporter, KVImporter, engine_layout, engine_pool
+from pdserve.engine.handoff import KVExporter, KVImporter, engine_layout, engine_pool
 from pdserve.kvcache.layout import layout_of
 from pdserve.kvcache.pool import KVPoolIO
 from pdserve.kvcache.quant import allocate_kv_cache, kv_block_nbytes, kv_bytes_per_token

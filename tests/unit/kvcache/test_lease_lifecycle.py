@@ -12,7 +12,7 @@ import pytest
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.contract import HandoffParams
 from pdserve.engine import AsyncLLMEngine, GenerationRequest, LLMEngine
-from pdserve.kvcache.handoff import KVExporter, KVImporter, engine_layout, engine_pool
+from pdserve.engine.handoff import KVExporter, KVImporter, engine_layout, engine_pool
 from pdserve.kvcache.transports import KVTransferError
 from pdserve.kvcache.transports.local import LocalHub, LocalTransport
 from pdserve.models.tiny import ensure_tiny_checkpoint

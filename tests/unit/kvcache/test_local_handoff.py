@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine import AsyncLLMEngine, GenerationRequest, LLMEngine
-from pdserve.kvcache.handoff import KVExporter, KVImporter, engine_layout, engine_pool
+from pdserve.engine.handoff import KVExporter, KVImporter, engine_layout, engine_pool
 from pdserve.kvcache.transports.local import LocalHub, LocalTransport
 from pdserve.models.tiny import ensure_tiny_checkpoint
 from pdserve.sampling_params import SamplingParams

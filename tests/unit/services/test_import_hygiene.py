@@ -26,3 +26,11 @@ def test_library_never_imports_services():
         if "import pdserve.services" in path.read_text() or "from pdserve.services" in path.read_text()
     ]
     assert not offenders
+
+
+def test_kvcache_sits_below_the_engine():
+    """pdserve.kvcache (layout, pool, wire, transports, quantized storage) is what the engine stores its KV
+    in; the handoff around an engine lives in pdserve.engine. An import back would make a cycle."""
+    offenders = [str(path.relative_to(ROOT)) for path in (ROOT / "shared" / "kvcache").rglob("*.py")
+                 if "pdserve.engine" in path.read_text()]
+    assert not offenders
