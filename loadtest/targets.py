@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from pdserve.registry import load
-from pdserve.serve_env import IngressMode, app_ports, serve_env
+from pdserve.runtime.serve_env import IngressMode, app_ports, serve_env
 
 # what a target deploys, by import path (as a Serve config file names it): the builder validates the dict
 APP_BUILDERS = {"system": "pdserve.services.app:build_system"}
@@ -87,7 +87,7 @@ def local_serve(
     from ray import serve
     from ray.serve.context import _get_global_client
 
-    from pdserve.redis_server import free_port
+    from pdserve.runtime.redis_server import free_port
 
     owned_ray = not ray.is_initialized()
     direct_ports = None

@@ -13,7 +13,7 @@ from pydantic_core import CoreSchema, core_schema
 from pdserve.services.kvstore.config import KVStoreConfig
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.placement import PlacementConfig
-from pdserve.worker import WorkerConfig
+from pdserve.services.worker import WorkerConfig
 
 if TYPE_CHECKING:
     from ray.serve import Application

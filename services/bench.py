@@ -50,10 +50,10 @@ def _routed(
 
     from pdserve.engine.async_engine import AsyncLLMEngine
     from pdserve.models.resolve import served_model_name
-    from pdserve.redis_server import free_port
+    from pdserve.runtime.redis_server import free_port
     from pdserve.services.app import SystemConfig, build_system
-    from pdserve.serve_env import app_ports, serve_env
-    from pdserve.worker import WorkerConfig
+    from pdserve.runtime.serve_env import app_ports, serve_env
+    from pdserve.services.worker import WorkerConfig
 
     port, direct_port = free_port(), free_port()
     ports = range(direct_port, direct_port + 3)  # direct ingress: a port per app deployed at once
@@ -235,7 +235,7 @@ def main(argv: list[str]) -> int:
                                  "worker_link": not args.no_worker_link}
     env = dict(item.split("=", 1) for item in args.env)
     if args.serve_threads:
-        from pdserve.serve_env import SERVE_LATENCY_ENV
+        from pdserve.runtime.serve_env import SERVE_LATENCY_ENV
 
         env.update({key: "1" for key in SERVE_LATENCY_ENV})
     # stdout carries the JSON alone: Ray prints driver-side notices (e.g. a raylet's at shutdown) there

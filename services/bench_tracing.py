@@ -10,9 +10,9 @@ import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from pdserve import trace_attributes as ta
-from pdserve.tracing import Tracing
-from pdserve.tracing_config import TracingConfig
+from pdserve.observability import trace_attributes as ta
+from pdserve.observability.tracing import Tracing
+from pdserve.observability.tracing_config import TracingConfig
 
 
 def _one_request(router: Tracing, prefill: Tracing, decode: Tracing, i: int) -> None:

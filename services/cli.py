@@ -91,8 +91,8 @@ def _config(args: argparse.Namespace, redis_url: str | None):
 
 def _start_redis(config):
     """A local Redis with a generated AUTH password and the kvstore's settings, and its supervisor."""
-    from pdserve.redis_health import redis_settings
-    from pdserve.redis_server import RedisServer, RedisSupervisor, generate_password
+    from pdserve.runtime.redis_health import redis_settings
+    from pdserve.runtime.redis_server import RedisServer, RedisSupervisor, generate_password
     from pdserve.services.kvstore.config import KVStoreConfig
 
     kv = KVStoreConfig.model_validate(config.kvstore)
@@ -107,7 +107,7 @@ def _ingress(args: argparse.Namespace, config) -> str:
     `ray.init` hands to every Ray worker."""
     import os
 
-    from pdserve.serve_env import serve_env
+    from pdserve.runtime.serve_env import serve_env
 
     ingress = args.ingress
     if ingress == "direct" and config.router.get("num_replicas", 1) > 1:
@@ -155,12 +155,12 @@ def serve_main(argv: list[str]) -> int:
         from ray import serve
         from ray.serve.config import gRPCOptions
 
-        from pdserve.redis_health import RedisSettingsError, redact_url
-        from pdserve.redis_server import find_server_binary
+        from pdserve.runtime.redis_health import RedisSettingsError, redact_url
+        from pdserve.runtime.redis_server import find_server_binary
         from pdserve.services.app import build_system
         from pdserve.services.cpu_shares import Unschedulable, check_labels, fit_cpu_shares
-        from pdserve.redis_server import free_port
-        from pdserve.serve_env import routes_at
+        from pdserve.runtime.redis_server import free_port
+        from pdserve.runtime.serve_env import routes_at
         from pdserve.v1 import SERVICER_FUNCTION
 
         redis_url = args.redis_url

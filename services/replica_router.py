@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from pdserve.contract import WorkerRequest
+from pdserve.api.contract import WorkerRequest
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 ROUTER_CLASS_PATH = "pdserve.services.replica_router.PlacementRequestRouter"

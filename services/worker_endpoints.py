@@ -7,8 +7,8 @@ import dataclasses
 import secrets
 from typing import Any
 
-from pdserve import trace_attributes as ta
-from pdserve.contract import WorkerRequest
+from pdserve.observability import trace_attributes as ta
+from pdserve.api.contract import WorkerRequest
 from pdserve.engine.handoff import engine_layout
 from pdserve.engine.prefix_pull import PrefixPull, PrefixPuller
 from pdserve.kvcache.transports.base import KVTransport
@@ -17,7 +17,7 @@ from pdserve.worklink import LinkServer
 
 class WorkerEndpoints:
     """Mixin over a deployment's `config` (WorkerConfig), `engine` (AsyncLLMEngine) and `telemetry`
-    (pdserve.telemetry.Telemetry); `link_server()` says which calls its link serves."""
+    (pdserve.observability.telemetry.Telemetry); `link_server()` says which calls its link serves."""
 
     link: LinkServer | None = None
     link_token = ""

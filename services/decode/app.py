@@ -12,17 +12,17 @@ from opentelemetry import trace
 from ray import serve
 from ray.serve import Application
 
-from pdserve.contract import DecodeEvent, FallbackNotice, HandoffParams, TokenBatch, WorkerRequest, resumed
+from pdserve.api.contract import DecodeEvent, FallbackNotice, HandoffParams, TokenBatch, WorkerRequest, resumed
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.outputs import GenerationRequest
-from pdserve import trace_attributes as ta
+from pdserve.observability import trace_attributes as ta
 from pdserve.engine.handoff import KVImporter, engine_layout
 from pdserve.engine.prefix_pull import PrefixPuller
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.streams import merged
-from pdserve.telemetry import Telemetry
-from pdserve.worker import WorkerConfig, build_transport
+from pdserve.observability.telemetry import Telemetry
+from pdserve.services.worker import WorkerConfig, build_transport
 from pdserve.worklink import LinkServer
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from pdserve.redis_health import RedisProbe, RedisSettingsError
+from pdserve.runtime.redis_health import RedisProbe, RedisSettingsError
 from pdserve.services.kvstore.config import KVStoreConfig
 from pdserve.services.kvstore.store import KVStore, KVStoreUnavailable
 

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from pdserve.kvcache.transports.redis import block_key, stored_prefix_length
-from pdserve.redis_health import apply_settings, redact_url, redis_settings
+from pdserve.runtime.redis_health import apply_settings, redact_url, redis_settings
 from pdserve.services.kvstore.config import KVStoreConfig
 
 __all__ = ["KVStore", "KVStoreUnavailable", "block_key"]

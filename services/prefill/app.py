@@ -10,16 +10,16 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from pdserve.contract import HandoffParams, PrefillResult, TokenBatch, WorkerRequest
+from pdserve.api.contract import HandoffParams, PrefillResult, TokenBatch, WorkerRequest
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.outputs import GenerationRequest
-from pdserve import trace_attributes as ta
+from pdserve.observability import trace_attributes as ta
 from pdserve.engine.handoff import KVExporter
 from pdserve.engine.prefix_pull import PrefixPuller
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
-from pdserve.telemetry import Telemetry
-from pdserve.worker import WorkerConfig, build_transport
+from pdserve.observability.telemetry import Telemetry
+from pdserve.services.worker import WorkerConfig, build_transport
 from pdserve.worklink import LinkServer
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.models.tokenizer import Tokenizer
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.contract import Priority
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.contract import Priority
 from pdserve.sampling_params import SamplingParams
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.errors import APIError, bad_request, from_validation_error

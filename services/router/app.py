@@ -24,12 +24,12 @@ from pdserve.services.router.errors import APIError, error_body, install_error_h
 from pdserve.services.router.grpc_api import GrpcServiceMixin
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-from pdserve import trace_attributes as ta
-from pdserve.metrics import CONTENT_TYPE
+from pdserve.observability import trace_attributes as ta
+from pdserve.observability.metrics import CONTENT_TYPE
 from pdserve.services.router.metrics import APIMetrics
 from pdserve.services.router.openapi_schema import install_openapi
-from pdserve.slo import SloWindow
-from pdserve.telemetry import Telemetry
+from pdserve.observability.slo import SloWindow
+from pdserve.observability.telemetry import Telemetry
 from pdserve.services.router.placement import Placement, PlacementConfig, PlacementRequest, Rejection
 from pdserve.services.router.placer import Placer
 from pdserve.services.router.redis_tier import RedisTierWatch

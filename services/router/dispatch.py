@@ -14,8 +14,8 @@ import logging
 from opentelemetry import trace
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
-from pdserve import trace_attributes as ta
-from pdserve.contract import FallbackNotice, PrefillResult, TokenBatch, WorkerRequest, resumed
+from pdserve.observability import trace_attributes as ta
+from pdserve.api.contract import FallbackNotice, PrefillResult, TokenBatch, WorkerRequest, resumed
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
 from pdserve.services.router.placement import Placement

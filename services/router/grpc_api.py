@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.errors import APIError, bad_request
-from pdserve.contract import TokenBatch
+from pdserve.api.contract import TokenBatch
 from pdserve.services.router.streaming import singles, by_choice, upstream_error
 from pdserve.streams import batches
 from pdserve.v1 import generate_pb2 as pb

@@ -1,6 +1,6 @@
 """OpenAI response bodies and SSE chunks for completions and chat completions.
 
-A `Choice` accumulates one choice's token batches (`pdserve.contract.TokenBatch`); the format functions turn choices and
+A `Choice` accumulates one choice's token batches (`pdserve.api.contract.TokenBatch`); the format functions turn choices and
 deltas into the exact objects OpenAI returns.
 """
 
@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.contract import TokenBatch
+from pdserve.api.contract import TokenBatch
 from pdserve.models.tokenizer import Tokenizer
 
 DONE = b"data: [DONE]\n\n"

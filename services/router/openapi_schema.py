@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,

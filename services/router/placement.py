@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pdserve.contract import Priority
+from pdserve.api.contract import Priority
 from pdserve.latency_model import LatencyProfile
 from pdserve.registry import load
 

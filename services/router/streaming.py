@@ -15,7 +15,7 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from pdserve.contract import TokenBatch
+from pdserve.api.contract import TokenBatch
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.streams import batches, merged
 from pdserve.services.router import openai_api as oa

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.contract import HandoffParams, PrefillResult, WorkerRequest
+from pdserve.api.contract import HandoffParams, PrefillResult, WorkerRequest
 from pdserve.services.router.replica_stats import ReplicaStats, ReplicaStatsPoller
 from pdserve.worklink import Link, LinkClient
 

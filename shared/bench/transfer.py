@@ -17,7 +17,7 @@ from pdserve.kvcache.pool import KVPoolIO, allocate_pool
 from pdserve.kvcache.transports.base import KVTransport
 from pdserve.kvcache.transports.local import LocalHub, LocalTransport
 from pdserve.kvcache.transports.redis import RedisTransport
-from pdserve.redis_server import RedisServer
+from pdserve.runtime.redis_server import RedisServer
 
 MIB = 1 << 20
 LAYOUTS = {  # (num_layers, num_kv_heads, head_dim) of the tiny and the ~125M bench model, block 16, fp32

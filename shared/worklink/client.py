@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pdserve.contract import DecodeEvent, HandoffParams, PrefillResult, WorkerRequest
+from pdserve.api.contract import DecodeEvent, HandoffParams, PrefillResult, WorkerRequest
 from pdserve.worklink import codec
 from pdserve.worklink.errors import WorkerLinkError, WorkerOverloaded, WorkerUnavailable
 from pdserve.worklink.frames import FrameError, FrameReader, Kind, Status, frame, parse_error, tune

@@ -1,4 +1,4 @@
-"""msgpack encodings of the router-worker contract (pdserve.contract), field by field.
+"""msgpack encodings of the router-worker contract (pdserve.api.contract), field by field.
 
 Arrays decode as tuples (`use_list=False`), the contract's own sequence type, so a decoded value
 equals the one encoded. Nothing here executes what it reads: a malformed message is a CodecError.
@@ -11,7 +11,7 @@ from typing import Any
 
 import msgpack
 
-from pdserve.contract import DecodeEvent, FallbackNotice, HandoffParams, PrefillResult, Priority, TokenBatch, \
+from pdserve.api.contract import DecodeEvent, FallbackNotice, HandoffParams, PrefillResult, Priority, TokenBatch, \
     WorkerRequest
 from pdserve.sampling_params import params_from_dict, params_to_dict
 

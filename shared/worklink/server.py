@@ -25,7 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
-from pdserve.contract import DecodeEvent, HandoffParams, PrefillResult, WorkerRequest
+from pdserve.api.contract import DecodeEvent, HandoffParams, PrefillResult, WorkerRequest
 from pdserve.worklink import codec
 from pdserve.worklink.frames import (CALLS, MAX_FRAME_BYTES, MAX_HELLO_BYTES, FrameError, FrameReader, Kind, Status,
                                      error_frame, frame, tune)

@@ -73,7 +73,7 @@ def run(rayservice: dict[str, Any]) -> dict[str, Any]:
     from ray.serve.schema import ServeDeploySchema
     from ray.util.state import list_actors
 
-    from pdserve.redis_server import free_port
+    from pdserve.runtime.redis_server import free_port
 
     cluster_spec = rayservice["spec"]["rayClusterConfig"]
     # the nodes' raylets (and so every replica) start with the pod's settings; this driver's own Serve

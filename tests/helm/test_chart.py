@@ -121,7 +121,7 @@ def test_replicas_are_pinned_to_their_group(render, name):
 def test_every_pod_has_the_serve_settings_pdserve_serve_uses(render, name):
     """The Ray/Serve latency settings are in every pod's env (Ray reads them where it starts), and the
     chart's defaults are `pdserve serve`'s (BASE_ENV), so the two cannot drift apart."""
-    from pdserve.serve_env import BASE_ENV
+    from pdserve.runtime.serve_env import BASE_ENV
 
     assert yaml.safe_load((CHART / "values.yaml").read_text())["serve"]["env"] == BASE_ENV
     for template in _pod_templates(_rayservice(render(EXAMPLES[name]))):

@@ -20,7 +20,7 @@ import pytest
 import redis
 import yaml
 
-from pdserve.redis_server import RedisServer, find_server_binary
+from pdserve.runtime.redis_server import RedisServer, find_server_binary
 
 HERE = Path(__file__).resolve().parent
 CHART = HERE.parents[1] / "deploy" / "helm" / "pdserve"

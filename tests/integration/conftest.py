@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from pdserve.loadtest import soak_system
-from pdserve.redis_server import RedisServer, find_server_binary
+from pdserve.runtime.redis_server import RedisServer, find_server_binary
 
 
 def server_binary() -> str:
@@ -87,10 +87,10 @@ def ray_serve():
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from pdserve.redis_server import free_port
+    from pdserve.runtime.redis_server import free_port
     from pdserve.v1 import SERVICER_FUNCTION
 
-    from pdserve.serve_env import BASE_ENV
+    from pdserve.runtime.serve_env import BASE_ENV
 
     started = not ray.is_initialized()
     if started:

@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from pdserve.redis_server import RedisTLS
+from pdserve.runtime.redis_server import RedisTLS
 
 SERVER_ENV = "PDSERVE_REDIS_TLS_SERVER"
 DEBIAN_PACKAGES = ("redis-tools", "libjemalloc2", "liblzf1")

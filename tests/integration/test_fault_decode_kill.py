@@ -21,7 +21,7 @@ from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.services.decode.app import build_app as build_decode  # noqa: E402
 from pdserve.services.prefill.app import build_app as build_prefill  # noqa: E402
 from pdserve.services.router import RouterConfig, build_app  # noqa: E402
-from pdserve.worker import WorkerConfig  # noqa: E402
+from pdserve.services.worker import WorkerConfig  # noqa: E402
 
 APP = "fault-decode"
 PROMPT = "A decode replica dies in the middle of this stream, and the stream must not notice. " * 3

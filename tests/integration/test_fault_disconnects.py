@@ -14,7 +14,7 @@ httpx = pytest.importorskip("httpx")
 from pdserve.services.decode.app import build_app as build_decode  # noqa: E402
 from pdserve.services.prefill.app import build_app as build_prefill  # noqa: E402
 from pdserve.services.router import RouterConfig, build_app  # noqa: E402
-from pdserve.worker import WorkerConfig  # noqa: E402
+from pdserve.services.worker import WorkerConfig  # noqa: E402
 
 APP = "fault-disconnect"
 PROMPT = "A client that goes away right after its first token must cost the decode replica nothing. " * 6

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from pdserve.services.decode.app import build_app as build_decode  # noqa: E402
 from pdserve.services.prefill.app import build_app as build_prefill  # noqa: E402
 from pdserve.services.router import RouterConfig, build_app  # noqa: E402
-from pdserve.worker import WorkerConfig  # noqa: E402
+from pdserve.services.worker import WorkerConfig  # noqa: E402
 
 APP = "fault-leases"
 PROMPT = "Every lease a request takes must be given back when its client leaves, not when it expires. " * 6

@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 from pdserve.services.decode.app import build_app as build_decode  # noqa: E402
 from pdserve.services.prefill.app import build_app as build_prefill  # noqa: E402
 from pdserve.services.router import RouterConfig, build_app  # noqa: E402
-from pdserve.worker import WorkerConfig  # noqa: E402
+from pdserve.services.worker import WorkerConfig  # noqa: E402
 
 APP = "fault-prefill"
 PROMPT = "Every prefill in this test takes a while, so that several are in flight when it dies. " * 12

@@ -17,8 +17,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from pdserve.redis_health import RedisProbe, RedisSettingsError, apply_settings, check_settings, redis_settings
-from pdserve.redis_server import RedisServer, RedisSupervisor, find_server_binary, generate_password
+from pdserve.runtime.redis_health import RedisProbe, RedisSettingsError, apply_settings, check_settings, redis_settings
+from pdserve.runtime.redis_server import RedisServer, RedisSupervisor, find_server_binary, generate_password
 
 SETTINGS = redis_settings(48 << 20, "allkeys-lru")
 

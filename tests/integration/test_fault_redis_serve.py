@@ -20,7 +20,7 @@ pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from pdserve.redis_server import free_port  # noqa: E402
+from pdserve.runtime.redis_server import free_port  # noqa: E402
 
 PROMPT = "A Redis outage must cost a disaggregated deployment its cache tier and nothing else. " * 4
 HEALTH_TIMEOUT_S = 5.0  # a hang fails the test; the latencies themselves are printed, not asserted

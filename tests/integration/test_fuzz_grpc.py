@@ -32,7 +32,7 @@ from pdserve.services.prefill.app import build_app as build_prefill  # noqa: E40
 from pdserve.services.router import RouterConfig, build_app  # noqa: E402
 from pdserve.v1 import generate_pb2 as pb  # noqa: E402
 from pdserve.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
-from pdserve.worker import WorkerConfig  # noqa: E402
+from pdserve.services.worker import WorkerConfig  # noqa: E402
 
 
 def _fuzz_checks():

@@ -37,7 +37,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 from pdserve.services.decode.app import build_app as build_decode  # noqa: E402
 from pdserve.services.prefill.app import build_app as build_prefill  # noqa: E402
 from pdserve.services.router import RouterConfig, build_app  # noqa: E402
-from pdserve.worker import WorkerConfig  # noqa: E402
+from pdserve.services.worker import WorkerConfig  # noqa: E402
 
 
 def _fuzz_checks():

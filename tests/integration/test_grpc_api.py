@@ -10,7 +10,7 @@ import asyncio
 import time
 
 import pytest
-from pdserve.worker import WorkerConfig
+from pdserve.services.worker import WorkerConfig
 
 pytest.importorskip("ray")
 grpc = pytest.importorskip("grpc")

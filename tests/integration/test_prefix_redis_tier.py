@@ -116,9 +116,9 @@ def test_redis_down_the_decode_worker_recomputes_and_counts_it(tiny_dir, redis_s
     """The decode deployment's own code path (no Serve): a local prefill told to pull from a stopped Redis."""
     if redis_server.is_external:
         pytest.skip("external REDIS_URL")
-    from pdserve.contract import WorkerRequest
+    from pdserve.api.contract import WorkerRequest
     from pdserve.services.decode.app import DecodeDeployment
-    from pdserve.worker import WorkerConfig
+    from pdserve.services.worker import WorkerConfig
 
     prompt = _prompt(3, 70)
 

@@ -18,8 +18,8 @@ from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPoolIO
 from pdserve.kvcache.transports import KVTransferError
 from pdserve.kvcache.transports.redis import RedisTransport
-from pdserve.redis_health import RedisProbe, apply_settings
-from pdserve.redis_server import RedisServer, generate_password
+from pdserve.runtime.redis_health import RedisProbe, apply_settings
+from pdserve.runtime.redis_server import RedisServer, generate_password
 
 pytest.importorskip("cryptography")
 _spec = importlib.util.spec_from_file_location("redis_tls", Path(__file__).with_name("redis_tls.py"))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from pdserve.sampling_params import SamplingParams
-from pdserve.worker import WorkerConfig
+from pdserve.services.worker import WorkerConfig
 
 pytest.importorskip("ray")
 openai = pytest.importorskip("openai")

@@ -16,7 +16,7 @@ except ImportError:  # the openai client here ships on httpx2
 
 from pdserve.services.decode.app import build_app as build_decode
 from pdserve.services.router import RouterConfig, build_app
-from pdserve.worker import WorkerConfig
+from pdserve.services.worker import WorkerConfig
 
 LONG = {"model": "tiny", "prompt": "hold the line", "max_tokens": 1500, "ignore_eos": True, "stream": True}
 

@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from pdserve.redis_server import free_port
+from pdserve.runtime.redis_server import free_port
 
 pytest.importorskip("ray")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.sampling_params import SamplingParams
-from pdserve.worker import SpeculativeSettings, WorkerConfig
+from pdserve.services.worker import SpeculativeSettings, WorkerConfig
 
 pytest.importorskip("ray")
 openai = pytest.importorskip("openai")

@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 from pdserve.services.decode.app import build_app as build_decode  # noqa: E402
 from pdserve.services.prefill.app import build_app as build_prefill  # noqa: E402
 from pdserve.services.router import RouterConfig, build_app  # noqa: E402
-from pdserve.worker import WorkerConfig  # noqa: E402
+from pdserve.services.worker import WorkerConfig  # noqa: E402
 
 LONG = "A long prompt goes through the prefill pool and a KV handoff before decode. " * 2
 LEASE_TTL_S = 5.0

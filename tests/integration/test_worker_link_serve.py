@@ -14,7 +14,7 @@ httpx = pytest.importorskip("httpx")
 from pdserve.services.decode.app import build_app as build_decode  # noqa: E402
 from pdserve.services.prefill.app import build_app as build_prefill  # noqa: E402
 from pdserve.services.router import RouterConfig, build_app  # noqa: E402
-from pdserve.worker import WorkerConfig  # noqa: E402
+from pdserve.services.worker import WorkerConfig  # noqa: E402
 
 APPS = {"link-on": True, "link-off": False}
 LONG = "This prompt is long enough for the prefill pool and a KV handoff to decode. " * 2

@@ -14,10 +14,10 @@ from pdserve.kvcache.transports.ucx import UCXConfig, apply_ucx_env
 apply_ucx_env(UCXConfig())  # before libucx loads
 pytest.importorskip("ucxx")
 
-from pdserve.contract import WorkerRequest  # noqa: E402
+from pdserve.api.contract import WorkerRequest  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.services.prefill.app import PrefillDeployment  # noqa: E402
-from pdserve.worker import WorkerConfig  # noqa: E402
+from pdserve.services.worker import WorkerConfig  # noqa: E402
 
 
 def _accepts(address: str) -> bool:

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from pdserve.contract import FallbackNotice, PrefillResult, TokenBatch, WorkerRequest
+from pdserve.api.contract import FallbackNotice, PrefillResult, TokenBatch, WorkerRequest
 from pdserve.engine import LLM
 from pdserve.sampling_params import SamplingParams
-from pdserve.worker import WorkerConfig
+from pdserve.services.worker import WorkerConfig
 
 pytest.importorskip("ray")
 from pdserve.services.decode.app import build_app as build_decode  # noqa: E402

@@ -10,9 +10,9 @@ import os
 
 from opentelemetry.trace import SpanKind
 
-from pdserve import trace_attributes as ta
-from pdserve.tracing import Tracing
-from pdserve.tracing_config import TracingConfig
+from pdserve.observability import trace_attributes as ta
+from pdserve.observability.tracing import Tracing
+from pdserve.observability.tracing_config import TracingConfig
 
 
 def main() -> None:

@@ -10,9 +10,9 @@ import sys
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from pdserve import trace_attributes as ta
-from pdserve.tracing import Tracing, trace_id_hex
-from pdserve.tracing_config import TracingConfig
+from pdserve.observability import trace_attributes as ta
+from pdserve.observability.tracing import Tracing, trace_id_hex
+from pdserve.observability.tracing_config import TracingConfig
 
 
 def test_request_span_name_and_attributes():
@@ -83,7 +83,7 @@ def test_injected_exporter_and_resource():
 
 def test_console_exporter_prints_spans():
     code = (
-        "from pdserve.tracing import Tracing; from pdserve.tracing_config import TracingConfig\n"
+        "from pdserve.observability.tracing import Tracing; from pdserve.observability.tracing_config import TracingConfig\n"
         "t = Tracing.create(TracingConfig.from_env(), 'decode')\n"
         "with t.span('pdserve.decode'): pass\n"
         "t.shutdown()\n"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.tracing import build_sampler
-from pdserve.tracing_config import DEFAULT_GRPC_ENDPOINT, DEFAULT_HTTP_ENDPOINT, TracingConfig
+from pdserve.observability.tracing import build_sampler
+from pdserve.observability.tracing_config import DEFAULT_GRPC_ENDPOINT, DEFAULT_HTTP_ENDPOINT, TracingConfig
 
 CASES = [
     (

@@ -9,8 +9,8 @@ import pytest
 from opentelemetry.context import Context
 from opentelemetry.trace import NoOpTracer
 
-from pdserve.tracing import Tracing
-from pdserve.tracing_config import TracingConfig
+from pdserve.observability.tracing import Tracing
+from pdserve.observability.tracing_config import TracingConfig
 
 TRACEPARENT = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
 
@@ -95,8 +95,8 @@ def test_shutdown_is_idempotent_and_later_spans_are_dropped(otlp_receiver):
 
 def test_tracing_modules_do_not_import_torch():
     code = (
-        "import sys, pdserve.tracing, pdserve.tracing_config, pdserve.trace_attributes, pdserve.metrics, "
-        "pdserve.metrics_snapshot, pdserve.slo; sys.exit(1 if 'torch' in sys.modules else 0)"
+        "import sys, pdserve.observability.tracing, pdserve.observability.tracing_config, pdserve.observability.trace_attributes, pdserve.observability.metrics, "
+        "pdserve.observability.metrics_snapshot, pdserve.observability.slo; sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr or "torch was imported"

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from opentelemetry.trace import SpanKind
 
-from pdserve import trace_attributes as ta
-from pdserve.tracing import Tracing, trace_id_hex
-from pdserve.tracing_config import TracingConfig
+from pdserve.observability import trace_attributes as ta
+from pdserve.observability.tracing import Tracing, trace_id_hex
+from pdserve.observability.tracing_config import TracingConfig
 
 CHILD = Path(__file__).with_name("child_span.py")
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -10,9 +10,9 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.metrics import CONTENT_TYPE, ServingMetrics
-from pdserve.metrics_snapshot import merge, render
-from pdserve.slo import SloAttainment, SloWindow, time_per_output_token
+from pdserve.observability.metrics import CONTENT_TYPE, ServingMetrics
+from pdserve.observability.metrics_snapshot import merge, render
+from pdserve.observability.slo import SloAttainment, SloWindow, time_per_output_token
 
 DECODE0 = {"role": "decode", "replica": "decode-0", "model": "tiny"}
 

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 import msgpack
 import pytest
 
-from pdserve.contract import FallbackNotice, HandoffParams, PrefillResult, Priority, TokenBatch, WorkerRequest
+from pdserve.api.contract import FallbackNotice, HandoffParams, PrefillResult, Priority, TokenBatch, WorkerRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.worklink import (CodecError, Link, LinkClient, LinkServer, WorkerLinkError, WorkerOverloaded,
                               WorkerUnavailable, codec)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pdserve.contract import TokenBatch
+from pdserve.api.contract import TokenBatch
 from pdserve.streams import batches, merged
 from pdserve.engine.outputs import TokenDelta
 

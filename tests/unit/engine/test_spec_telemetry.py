@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve import trace_attributes as ta
+from pdserve.observability import trace_attributes as ta
 from pdserve.config import SpeculativeConfig
-from pdserve.metrics import ServingMetrics
-from pdserve.worker import SpeculativeSettings, WorkerConfig
+from pdserve.observability.metrics import ServingMetrics
+from pdserve.services.worker import SpeculativeSettings, WorkerConfig
 
 
 def _samples(metrics: ServingMetrics) -> dict[str, float]:

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from pdserve.services.app import SystemConfig
 from pdserve.services.cli import _config, _serve_parser
-from pdserve.worker import WorkerConfig
+from pdserve.services.worker import WorkerConfig
 
 
 def test_worker_config_reaches_the_cache_config():

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pdserve.config import CacheConfig, EngineConfig
-from pdserve.contract import HandoffParams
+from pdserve.api.contract import HandoffParams
 from pdserve.engine import AsyncLLMEngine, GenerationRequest, LLMEngine
 from pdserve.engine.handoff import KVExporter, KVImporter, engine_layout, engine_pool
 from pdserve.kvcache.transports import KVTransferError

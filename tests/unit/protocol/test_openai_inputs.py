@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from pdserve.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
+from pdserve.api.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
 from pdserve.services.router.errors import from_validation_error
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -92,7 +92,7 @@ def test_accepted_no_op_values():
 
 
 def test_chat_content_as_text_parts_and_model_optional():
-    from pdserve.protocol import ChatCompletionRequest
+    from pdserve.api.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest.model_validate({"messages": [
         {"role": "system", "content": "Be brief."},
@@ -103,7 +103,7 @@ def test_chat_content_as_text_parts_and_model_optional():
 
 
 def test_non_text_content_parts_are_refused_by_name():
-    from pdserve.protocol import ChatCompletionRequest
+    from pdserve.api.protocol import ChatCompletionRequest
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="only text parts"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def test_completion_maps_every_sampling_field():

@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest, has_lone_surrogates
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, has_lone_surrogates
 from pdserve.services.router.errors import from_validation_error
 
 

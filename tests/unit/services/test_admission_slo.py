@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pdserve.contract import Priority
+from pdserve.api.contract import Priority
 from pdserve.models.tiny import resolve_model_path
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.services.router.admission import merge_slo_headers, prepare

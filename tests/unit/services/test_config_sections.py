@@ -15,7 +15,7 @@ from pdserve.services.cli import ConfigError, _config, _serve_parser
 from pdserve.services.kvstore.config import KVStoreConfig
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.placement import PlacementConfig
-from pdserve.worker import WorkerConfig
+from pdserve.services.worker import WorkerConfig
 
 
 def _refused(raw: dict) -> ValidationError:

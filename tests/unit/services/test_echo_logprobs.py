@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pdserve.contract import TokenBatch
+from pdserve.api.contract import TokenBatch
 from pdserve.models.tiny import ensure_tiny_checkpoint
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.sampling_params import SamplingParams

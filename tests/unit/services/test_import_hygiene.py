@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def test_router_side_modules_do_not_import_torch():
     code = (
-        "import sys; import pdserve.protocol, pdserve.models.tokenizer, pdserve.models.tiny, pdserve.sampling_params, "
-        "pdserve.worklink, pdserve.contract; "
+        "import sys; import pdserve.api.protocol, pdserve.models.tokenizer, pdserve.models.tiny, pdserve.sampling_params, "
+        "pdserve.worklink, pdserve.api.contract; "
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

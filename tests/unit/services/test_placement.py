@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
-from pdserve.contract import Priority
+from pdserve.api.contract import Priority
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel, TransferModel
 from pdserve.services.router.placement import (
     POLICIES, Placement, PlacementConfig, PlacementRequest, Rejection, ReplicaSnapshot, create_policy,

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 from types import SimpleNamespace
 
-from pdserve.contract import TokenBatch
+from pdserve.api.contract import TokenBatch
 
 import grpc
 import pytest
@@ -14,9 +14,9 @@ from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Admission
 from pdserve.services.router.errors import APIError
 from pdserve.services.router.grpc_api import GrpcServiceMixin, grpc_status, request_body, response_chunk
-from pdserve.metrics import ServingMetrics
+from pdserve.observability.metrics import ServingMetrics
 from pdserve.services.router.metrics import APIMetrics
-from pdserve.tracing import Tracing
+from pdserve.observability.tracing import Tracing
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1.client import build_request
 

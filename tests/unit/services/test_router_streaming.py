@@ -13,7 +13,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
 from pdserve.services.router.errors import APIError
-from pdserve.contract import Priority, TokenBatch
+from pdserve.api.contract import Priority, TokenBatch
 from pdserve.services.router.streaming import first_event, prepend, sse_stream, upstream_error
 from ray.serve.exceptions import BackPressureError
 

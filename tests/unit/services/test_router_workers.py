@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from pdserve.contract import HandoffParams, WorkerRequest
+from pdserve.api.contract import HandoffParams, WorkerRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.services.router.replica_stats import ReplicaStatsPoller
 from pdserve.services.router.workers import Workers

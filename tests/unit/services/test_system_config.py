@@ -45,7 +45,7 @@ def test_invalid_configs_are_rejected():
 
 
 def test_ucx_host_from_config_then_environment_then_loopback(monkeypatch):
-    from pdserve.worker import UCX_HOST_ENV, WorkerConfig
+    from pdserve.services.worker import UCX_HOST_ENV, WorkerConfig
 
     monkeypatch.delenv(UCX_HOST_ENV, raising=False)
     assert WorkerConfig().resolved_ucx_host() == "127.0.0.1"

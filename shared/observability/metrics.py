@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from pdserve.metrics_snapshot import CONTENT_TYPE, Snapshot, render, snapshot_of
-from pdserve.slo import SloWindow, time_per_output_token
+from pdserve.observability.metrics_snapshot import CONTENT_TYPE, Snapshot, render, snapshot_of
+from pdserve.observability.slo import SloWindow, time_per_output_token
 
 LABELS = ("role", "replica", "model")
 

@@ -26,8 +26,8 @@ from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pdserve import __version__
-from pdserve.trace_attributes import ROLE
-from pdserve.tracing_config import TracingConfig
+from pdserve.observability.trace_attributes import ROLE
+from pdserve.observability.tracing_config import TracingConfig
 
 TRACER_NAME = "pdserve"
 _PROPAGATOR = TraceContextTextMapPropagator()

@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 import redis
 
-from pdserve.redis_health import check_settings
+from pdserve.runtime.redis_health import check_settings
 
 logger = logging.getLogger(__name__)
 

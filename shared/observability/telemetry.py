@@ -6,10 +6,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.metrics import ServingMetrics
-from pdserve.slo import SloWindow
-from pdserve.tracing import Tracing
-from pdserve.tracing_config import TracingConfig
+from pdserve.observability.metrics import ServingMetrics
+from pdserve.observability.slo import SloWindow
+from pdserve.observability.tracing import Tracing
+from pdserve.observability.tracing_config import TracingConfig
 
 
 def replica_name(role: str) -> str:

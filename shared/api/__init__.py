@@ -1,0 +1,2 @@
+"""What crosses a process boundary as plain data: the OpenAI request types (protocol) and the
+router <-> worker contract. Torch-free."""

@@ -1,0 +1,1 @@
+"""What pdserve tells operators: Prometheus metrics, OpenTelemetry tracing, SLO attainment."""
