@@ -12,7 +12,7 @@ from pydantic_core import CoreSchema, core_schema
 
 from pdserve.services.kvstore.config import KVStoreConfig
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.placement import PlacementConfig
+from pdserve.placement.policy import PlacementConfig
 from pdserve.services.worker import WorkerConfig
 
 if TYPE_CHECKING:

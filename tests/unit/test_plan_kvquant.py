@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from pdserve.cli import main
+from pdserve.services.cli import main
 from pdserve.kvcache.layout import layout_of
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel, TransferModel
 from pdserve.models.config import model_config_from_hf

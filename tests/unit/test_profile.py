@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pdserve.bench.profile as profile_module
-from pdserve.cli import main
+from pdserve.services.cli import main
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel
 

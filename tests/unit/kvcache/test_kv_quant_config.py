@@ -7,7 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve.services.app import SystemConfig
-from pdserve.services.cli import _config, _serve_parser
+from pdserve.services.cli import serve_parser
+from pdserve.services.serve import system_config as _config
 from pdserve.services.worker import WorkerConfig
 
 
@@ -40,7 +41,7 @@ def test_colocated_mode_has_one_role_and_nothing_to_agree_on():
 
 
 def test_serve_flag_sets_both_roles():
-    args = _serve_parser().parse_args(["--model", "tiny", "--kv-cache-dtype", "int8"])
+    args = serve_parser().parse_args(["--model", "tiny", "--kv-cache-dtype", "int8"])
     config = _config(args, None)
     assert config.worker("prefill").kv_cache_dtype == config.worker("decode").kv_cache_dtype == "int8"
-    assert _config(_serve_parser().parse_args(["--model", "tiny"]), None).kv_cache_dtype == "auto"
+    assert _config(serve_parser().parse_args(["--model", "tiny"]), None).kv_cache_dtype == "auto"

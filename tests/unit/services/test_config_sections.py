@@ -11,10 +11,11 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve.services.app import SystemConfig, config_errors
-from pdserve.services.cli import ConfigError, _config, _serve_parser
+from pdserve.services.cli import serve_parser
+from pdserve.services.serve import ConfigError, system_config as _config
 from pdserve.services.kvstore.config import KVStoreConfig
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.placement import PlacementConfig
+from pdserve.placement.policy import PlacementConfig
 from pdserve.services.worker import WorkerConfig
 
 
@@ -67,15 +68,15 @@ def test_serve_names_the_file_and_the_key(tmp_path):
     path = tmp_path / "system.yaml"
     path.write_text("decode:\n  max_num_seqz: 8\n")
     with pytest.raises(ConfigError) as caught:
-        _config(_serve_parser().parse_args(["--config", str(path)]), None)
+        _config(serve_parser().parse_args(["--config", str(path)]), None)
     assert str(caught.value) == f"{path}: decode.max_num_seqz: unknown key (did you mean max_num_seqs?)"
     with pytest.raises(ConfigError, match="invalid YAML"):
         path.write_text("decode: {max_num_seqs: 8\n")
-        _config(_serve_parser().parse_args(["--config", str(path)]), None)
+        _config(serve_parser().parse_args(["--config", str(path)]), None)
     with pytest.raises(ConfigError, match="cannot read"):
-        _config(_serve_parser().parse_args(["--config", str(tmp_path / "missing.yaml")]), None)
+        _config(serve_parser().parse_args(["--config", str(tmp_path / "missing.yaml")]), None)
     with pytest.raises(ConfigError, match=r"^decode\.num_replicas: Input should be greater"):
-        _config(_serve_parser().parse_args(["--decode-replicas", "-1"]), None)
+        _config(serve_parser().parse_args(["--decode-replicas", "-1"]), None)
 
 
 RAW = {

@@ -10,7 +10,7 @@ from collections import Counter
 
 from ray.exceptions import RayActorError
 
-from pdserve.services.router.prefix_index import PrefixIndex
+from pdserve.placement.prefix_index import PrefixIndex
 from pdserve.services.router.replica_stats import ReplicaStatsPoller
 from pdserve.worklink import LinkClient, LinkServer
 

@@ -1,4 +1,4 @@
-"""The router's pure parts: config keys and its torch-free import (placement: test_placement.py)."""
+"""The router's pure parts: config keys and its torch-free import (placement: tests/unit/placement/)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 from pdserve.kv_events import KVEventBatch
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel, TransferModel
 from pdserve.prefix_hash import prompt_block_hashes
-from pdserve.services.router.placement import Placement, PlacementConfig, PlacementRequest, ReplicaSnapshot, create_policy
+from pdserve.placement.policy import Placement, PlacementConfig, PlacementRequest, ReplicaSnapshot, create_policy
 from pdserve.services.router.replica_stats import ReplicaStats
 
 BS = 16

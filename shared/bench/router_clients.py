@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.services.bench_steps import StepTimes
+from pdserve.bench.steps import StepTimes
 
 Sample = tuple[float, float, int, int]  # TTFT s, E2E s, tokens, stream messages
 

@@ -1,6 +1,6 @@
 """Placement at scale, simulated: the placement policies over hundreds of synthetic replicas.
 
-    python -m pdserve.services.router.simulate --json [--replicas 500] [--requests 3000] ...
+    python -m pdserve.bench.placement --json [--replicas 500] [--requests 3000] ...
 
 Ground truth: every replica has a hidden speed (a lognormal slowdown, and a share of stragglers) and
 an exact state (running sequences, queued prefill tokens, free blocks) that evolves: decodes advance
@@ -26,11 +26,11 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel, TransferModel
-from pdserve.services.router.pending import PendingPlacements
-from pdserve.services.router.placement import (
+from pdserve.placement.pending import PendingPlacements
+from pdserve.placement.policy import (
     Placement, PlacementConfig, PlacementRequest, Rejection, ReplicaSnapshot, create_policy,
 )
-from pdserve.services.router.slo_aware import SloAware
+from pdserve.placement.slo_aware import SloAware
 
 BLOCK = 16
 
@@ -43,7 +43,7 @@ def h100_8b_profile() -> LatencyProfile:
         kv_bytes_per_token=131072,
         transfers={"ucx": TransferModel(latency_s=1e-4, bandwidth_bytes_s=25e9)},
     )
-    return LatencyProfile({"default": model}, command="synthetic: pdserve.services.router.simulate")
+    return LatencyProfile({"default": model}, command="synthetic: pdserve.bench.placement")
 
 
 @dataclass
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     args = p.parse_args(argv)
     profile = h100_8b_profile()
-    result = {"command": "python -m pdserve.services.router.simulate " + " ".join(argv or sys.argv[1:]),
+    result = {"command": "python -m pdserve.bench.placement " + " ".join(argv or sys.argv[1:]),
               "replicas": {"prefill": args.prefill, "decode": args.decode}, "routers": args.routers,
               "rate_rps": args.rate, "requests": args.requests,
               "slo": {"ttft_s": args.ttft_s, "tpot_s": args.tpot_s}, "policies": {}}

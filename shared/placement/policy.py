@@ -263,10 +263,10 @@ def _by_id(replicas: Sequence[ReplicaSnapshot]) -> list[ReplicaSnapshot]:
 
 
 POLICIES: dict[str, str] = {
-    "round_robin": "pdserve.services.router.placement:RoundRobin",
-    "least_loaded": "pdserve.services.router.placement:LeastLoaded",
-    "slo_aware": "pdserve.services.router.slo_aware:SloAware",
-    "kv_aware": "pdserve.services.router.kv_aware:KvAware",
+    "round_robin": "pdserve.placement.policy:RoundRobin",
+    "least_loaded": "pdserve.placement.policy:LeastLoaded",
+    "slo_aware": "pdserve.placement.slo_aware:SloAware",
+    "kv_aware": "pdserve.placement.kv_aware:KvAware",
 }
 
 

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.services.router.placement import Placement, PlacementRequest, ReplicaSnapshot
+from pdserve.placement.policy import Placement, PlacementRequest, ReplicaSnapshot
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pdserve.services import bench_idle
+from pdserve.bench import idle as bench_idle
 
 pytestmark = pytest.mark.skipif(not bench_idle.PROC.is_dir(), reason="needs /proc")
 

@@ -12,7 +12,7 @@ from pdserve.engine.sequence import Sequence
 from pdserve.kv_events import EVICTED, STORED, KVEventBatch, KVEventLog
 from pdserve.prefix_hash import prompt_block_hashes
 from pdserve.sampling_params import SamplingParams
-from pdserve.services.router.prefix_index import PrefixIndex
+from pdserve.placement.prefix_index import PrefixIndex
 
 BS = 4
 

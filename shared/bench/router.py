@@ -26,9 +26,13 @@ import sys
 import time
 from typing import Any
 
-from pdserve.services.bench_clients import alternating, direct_one, http_one, levels
-from pdserve.services.bench_idle import idle_cpu_pct
-from pdserve.services.bench_steps import StepTimes, engine_steps, replica_steps
+from pdserve.registry import load
+from pdserve.bench.router_clients import alternating, direct_one, http_one, levels
+from pdserve.bench.idle import idle_cpu_pct
+from pdserve.bench.steps import StepTimes, engine_steps, replica_steps
+
+# what it measures, by import path (as a Serve config names it): the library imports no service
+SERVICES = {"system": "pdserve.services.app:build_system", "worker": "pdserve.services.worker:WorkerConfig"}
 
 PATHS = ("disaggregated", "colocated")
 TRACED = "disaggregated_traced"
@@ -51,9 +55,9 @@ def _routed(
     from pdserve.engine.async_engine import AsyncLLMEngine
     from pdserve.models.resolve import served_model_name
     from pdserve.runtime.redis_server import free_port
-    from pdserve.services.app import SystemConfig, build_system
     from pdserve.runtime.serve_env import app_ports, serve_env
-    from pdserve.services.worker import WorkerConfig
+
+    build_system, worker_config = load(SERVICES, "system", "builder"), load(SERVICES, "worker", "config")
 
     port, direct_port = free_port(), free_port()
     ports = range(direct_port, direct_port + 3)  # direct ingress: a port per app deployed at once
@@ -74,10 +78,9 @@ def _routed(
             groups[0].append((TRACED, "disaggregated", tracing()))
         for group in groups:
             for name, mode, traced in group:
-                config = SystemConfig(model=model, mode=mode, transport="ucx", prefill=worker, decode=worker,
-                                      tracing_env=traced,
-                                      router={"disaggregate_min_prompt_tokens": 0, "num_cpus": 0.5,
-                                              **router_streaming})
+                config = dict(model=model, mode=mode, transport="ucx", prefill=worker, decode=worker,
+                              tracing_env=traced,
+                              router={"disaggregate_min_prompt_tokens": 0, "num_cpus": 0.5, **router_streaming})
                 serve.run(build_system(config), name=name, route_prefix=f"/{name}")
                 _log(f"{name}: deployed")
             urls = {name: f"http://127.0.0.1:{port}/{name}" for name, _, _ in group}
@@ -88,7 +91,7 @@ def _routed(
             steps = StepTimes()
 
             async def run(group=group) -> list[dict[str, Any]]:
-                engine = AsyncLLMEngine.from_config(WorkerConfig(model=model, num_cpus=1).engine_config())
+                engine = AsyncLLMEngine.from_config(worker_config(model=model, num_cpus=1).engine_config())
                 try:
                     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
                         ones = [steps.wrap("direct", direct_one(engine, max_tokens), engine_steps(engine))] + [
@@ -131,7 +134,7 @@ def run(
     prompts = [[rng.randrange(0, 256) for _ in range(prompt_tokens)] for _ in range(16)]
     sink: list = []  # started after Ray: a live gRPC server in this process breaks Ray's fork of its raylet
     if tracing:
-        from pdserve.services.bench_tracing import start_sink
+        from pdserve.bench.tracing_cost import start_sink
     try:
         routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {},
                          (lambda: start_sink(sink)) if tracing else None, streaming, ingress, grpc_handles,
@@ -190,7 +193,7 @@ def run(
                 if name in ("disaggregated", TRACED):
                     raw["disaggregated" if name == "disaggregated" else "traced"][str(c)] = ttfts
     if tracing:
-        from pdserve.services.bench_tracing import summarize
+        from pdserve.bench.tracing_cost import summarize
 
         summarize(result, raw, sink_endpoint)
         result["tracing_overhead_ttft_p50_pct"] = first["tracing_overhead_ttft_p50_pct"]

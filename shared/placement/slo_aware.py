@@ -30,10 +30,10 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 from pdserve.latency_model import LatencyModel, LatencyProfile
-from pdserve.services.router.placement import (
+from pdserve.placement.policy import (
     Candidate, Placement, PlacementConfig, PlacementPolicy, PlacementRequest, Rejection, ReplicaSnapshot,
 )
-from pdserve.services.router.prefix_index import leading_hits
+from pdserve.placement.prefix_index import leading_hits
 
 
 @dataclass(frozen=True)

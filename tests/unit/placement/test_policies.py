@@ -11,11 +11,11 @@ import pytest
 from pydantic import ValidationError
 from pdserve.api.contract import Priority
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel, TransferModel
-from pdserve.services.router.placement import (
+from pdserve.placement.policy import (
     POLICIES, Placement, PlacementConfig, PlacementRequest, Rejection, ReplicaSnapshot, create_policy,
 )
-from pdserve.services.router.pending import PendingPlacements
-from pdserve.services.router.slo_aware import largest_chunk, prefix_hit_tokens
+from pdserve.placement.pending import PendingPlacements
+from pdserve.placement.slo_aware import largest_chunk, prefix_hit_tokens
 
 BS = 16
 # prefill 10k tok/s + 10 ms a step; decode 20 ms + 1 ms a sequence + 1 us a context token
@@ -257,8 +257,8 @@ def test_snapshot_from_engine_stats():
 
 
 def test_placement_modules_are_torch_free():
-    code = ("import sys, pdserve.services.router.placement, pdserve.services.router.slo_aware, "
-            "pdserve.services.router.pending, pdserve.prefix_hash; "
+    code = ("import sys, pdserve.placement.policy, pdserve.placement.slo_aware, "
+            "pdserve.placement.pending, pdserve.prefix_hash; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 

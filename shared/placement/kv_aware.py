@@ -26,11 +26,11 @@ import math
 from collections.abc import Sequence
 
 from pdserve.latency_model import LatencyProfile
-from pdserve.services.router.placement import (
+from pdserve.placement.policy import (
     Candidate, PlacementConfig, PlacementPolicy, PlacementRequest, ReplicaSnapshot,
 )
-from pdserve.services.router.prefix_index import leading_hits
-from pdserve.services.router.slo_aware import SloAware, _free, _Option
+from pdserve.placement.prefix_index import leading_hits
+from pdserve.placement.slo_aware import SloAware, _free, _Option
 
 
 class KvAware(SloAware):
