@@ -17,8 +17,31 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class OutputTokens:
+    """What the sampler reads of a row's tokens, over `token_ids`, `num_prompt_tokens` and `num_resumed_tokens`
+    (a Sequence, or a draft row's view of one)."""
+
+    __slots__ = ()
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_resumed_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def penalized_token_ids(self) -> list[int]:
+        """Output ids for presence/frequency penalties: this engine's output and any resumed output."""
+        return self.token_ids[self.num_prompt_tokens - self.num_resumed_tokens :]
+
+
 @dataclass(eq=False)  # identity semantics: the scheduler's queues hold and remove exact objects
-class Sequence:
+class Sequence(OutputTokens):
     request_id: str
     token_ids: list[int]
     params: SamplingParams
@@ -59,19 +82,6 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def penalized_token_ids(self) -> list[int]:
-        """Output ids for presence/frequency penalties: this engine's output and any resumed output."""
-        return self.token_ids[self.num_prompt_tokens - self.num_resumed_tokens :]
 
     @property
     def last_token_id(self) -> int:

@@ -15,10 +15,10 @@ import torch
 
 from pdserve.engine.model_runner import VerifyRows
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sequence import OutputTokens, Sequence
 
 
-class DraftView:
+class DraftView(OutputTokens):
     """A sequence as if `extra` tokens had been appended: what the sampler sees for a draft row."""
 
     __slots__ = ("params", "token_ids", "num_prompt_tokens", "num_resumed_tokens", "eos_token_ids", "generator")
@@ -30,18 +30,6 @@ class DraftView:
         self.num_resumed_tokens = seq.num_resumed_tokens
         self.eos_token_ids = seq.eos_token_ids
         self.generator = seq.generator
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def penalized_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens - self.num_resumed_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass(frozen=True)
