@@ -5,8 +5,9 @@
 Ground truth: every replica has a hidden speed (a lognormal slowdown, and a share of stragglers) and
 an exact state (running sequences, queued prefill tokens, free blocks) that evolves: decodes advance
 at their true step time, prefill queues drain at their true rate. Requests arrive as a Poisson stream
-spread over several routers; each router sees stats polled every `poll_s` plus its own pending
-placements (pending.PendingPlacements, as the router uses it), never the other routers' since the poll.
+spread over several routers (1, 2, 4, 8, 16 by default: `attainment_by_routers`); each router sees stats
+polled every `poll_s` plus its own pending placements (pending.PendingPlacements, as the router uses
+it), never the other routers' since the poll.
 
 The oracle is the slo_aware objective with exact, instant state and the true speeds. For every request,
 in the same state, the policy's choice and the oracle's are both judged with true latencies: SLO
@@ -126,9 +127,11 @@ def run_policy(name: str, args: argparse.Namespace, profile: LatencyProfile) -> 
         else:
             r.queue = [rng.uniform(0.5, 1.5) * args.prompt_tokens for _ in range(rng.randint(0, 2))]
     by_id = {r.replica_id: r for r in cluster}
-    config = PlacementConfig(policy=name, admission="queue", transport="ucx")
-    routers = [create_policy(config, profile) for _ in range(args.routers)]
-    judge = SloAware(PlacementConfig(admission="queue", transport="ucx"), profile)
+    config = PlacementConfig(policy=name, admission="queue", transport="ucx",
+                             **({} if args.choice_tolerance is None else {"choice_tolerance": args.choice_tolerance}))
+    routers = [create_policy(config.model_copy(update={"seed": args.seed * 1000 + k}), profile)
+               for k in range(args.num_routers)]
+    judge = SloAware(PlacementConfig(admission="queue", transport="ucx", choice_tolerance=0.0), profile)
     clock = [0.0]
     pendings = [PendingPlacements(grace_s=0.0, clock=lambda: clock[0]) for _ in routers]
     polled: list[ReplicaSnapshot] = []
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default="round_robin,least_loaded,slo_aware")
     p.add_argument("--requests", type=int, default=1500)
     p.add_argument("--rate", type=float, default=6000.0, help="requests/s over the whole cluster")
-    p.add_argument("--routers", type=int, default=8)
+    p.add_argument("--routers", default="1,2,4,8,16", help="router counts to simulate, comma-separated")
     p.add_argument("--poll-s", type=float, default=0.1)
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--output-tokens", type=int, default=250)
@@ -204,15 +207,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-s", type=float, default=0.5)
     p.add_argument("--tpot-s", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--choice-tolerance", type=float, default=None,
+                   help="the policies' placement.choice_tolerance (default: the config's default)")
     p.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     args = p.parse_args(argv)
+    try:
+        counts = [int(n) for n in str(args.routers).split(",")]
+    except ValueError:
+        p.error(f"--routers: comma-separated router counts, got {args.routers!r}")
+    if any(n < 1 for n in counts):
+        p.error("--routers: every router count is at least 1")
     profile = h100_8b_profile()
     result = {"command": "python -m pdserve.bench.placement " + " ".join(argv or sys.argv[1:]),
-              "replicas": {"prefill": args.prefill, "decode": args.decode}, "routers": args.routers,
+              "replicas": {"prefill": args.prefill, "decode": args.decode}, "routers": counts,
               "rate_rps": args.rate, "requests": args.requests,
-              "slo": {"ttft_s": args.ttft_s, "tpot_s": args.tpot_s}, "policies": {}}
-    for name in args.policies.split(","):
-        result["policies"][name] = run_policy(name, args, profile)
+              "slo": {"ttft_s": args.ttft_s, "tpot_s": args.tpot_s},
+              "attainment_by_routers": {}, "decision_ms_p50_by_routers": {}, "by_routers": {}}
+    for n in counts:
+        args.num_routers = n
+        runs = {name: run_policy(name, args, profile) for name in args.policies.split(",")}
+        result["by_routers"][str(n)] = runs
+        attainment = {name: round(r["slo_attainment"], 4) for name, r in runs.items()}
+        oracles = [r["oracle_slo_attainment"] for r in runs.values()]  # each in the state its policy made
+        attainment["oracle"] = round(statistics.fmean(oracles), 4) if oracles else None
+        result["attainment_by_routers"][str(n)] = attainment
+        result["decision_ms_p50_by_routers"][str(n)] = {
+            name: round(r["decision_ms"]["p50"] + r["view_ms"]["p50"], 4) for name, r in runs.items()}
     print(json.dumps(result))
     return 0
 

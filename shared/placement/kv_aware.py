@@ -23,6 +23,7 @@ prompt-length rule decides local or remote prefill.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 
 from pdserve.latency_model import LatencyProfile
@@ -40,6 +41,7 @@ class KvAware(SloAware):
         self, config: PlacementConfig, profile: LatencyProfile | None = None, has_prefill_pool: bool = True,
     ) -> None:
         PlacementPolicy.__init__(self, config, profile, has_prefill_pool)
+        self.rng = random.Random(config.seed)
         if profile is not None:
             self.prefill_model = profile.for_role("prefill")
             self.decode_model = profile.for_role("decode")
@@ -70,6 +72,9 @@ class KvAware(SloAware):
         scored.sort(key=lambda t: t[0])
         return [(tpot, o, Candidate(o.replica.replica_id, "decode", "slo_cost", cost))
                 for _, cost, tpot, o in scored]
+
+    def pick_decode(self, request, ranked):
+        return ranked[0]  # its own ranking (hits within the headroom) decides, not the TPOT alone
 
     def by_affinity(
         self, request: PlacementRequest, replicas: Sequence[ReplicaSnapshot]

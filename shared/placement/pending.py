@@ -48,14 +48,16 @@ class PendingPlacements:
 
     def observe(self, replica_id: str, stats_taken_at: float) -> None:
         """Stats taken at `stats_taken_at` (this object's clock) show every placement up to grace_s before."""
-        horizon = stats_taken_at - self.grace_s
-        self._entries[replica_id] = [e for e in self._entries[replica_id] if e.placed_at > horizon]
+        if entries := self._entries.get(replica_id):
+            horizon = stats_taken_at - self.grace_s
+            self._entries[replica_id] = [e for e in entries if e.placed_at > horizon]
 
     def apply(self, snapshot: ReplicaSnapshot) -> ReplicaSnapshot:
+        entries = self._entries.get(snapshot.replica_id)
+        if not entries:  # most replicas, most of the time: the snapshot as it is (it carries no pending)
+            return snapshot
         oldest = self._clock() - self.max_age_s
-        entries = self._entries[snapshot.replica_id] = [
-            e for e in self._entries[snapshot.replica_id] if e.placed_at > oldest
-        ]
+        entries = self._entries[snapshot.replica_id] = [e for e in entries if e.placed_at > oldest]
         return dataclasses.replace(
             snapshot, num_pending=len(entries), pending_prefill_tokens=sum(e.prefill_tokens for e in entries),
             pending_blocks=sum(e.blocks for e in entries),

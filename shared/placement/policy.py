@@ -169,6 +169,11 @@ class PlacementConfig(BaseModel):
     # scale predictions by measured/predicted recent step time, clamped to these bounds
     calibrate_step_times: bool = True
     slowdown_bounds: tuple[float, float] = (0.5, 8.0)
+    # slo_aware: choose at random among the replicas predicted within this share of the best (and within the
+    # SLO when the best is), so that routers whose views lag each other do not all pick the same replica;
+    # 0: always the best
+    choice_tolerance: float = Field(0.2, ge=0, le=1)
+    seed: int | None = None  # the random choice's seed; None: from the OS (routers must not share one)
 
     @field_validator("policy")
     @classmethod

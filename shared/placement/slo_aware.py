@@ -26,14 +26,18 @@ for stale stats, by the stale penalty.
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pdserve.latency_model import LatencyModel, LatencyProfile
 from pdserve.placement.policy import (
     Candidate, Placement, PlacementConfig, PlacementPolicy, PlacementRequest, Rejection, ReplicaSnapshot,
 )
 from pdserve.placement.prefix_index import leading_hits
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,19 @@ class SloAware(PlacementPolicy):
         super().__init__(config, profile, has_prefill_pool)
         self.prefill_model = profile.for_role("prefill")
         self.decode_model = profile.for_role("decode")
+        self.rng = random.Random(config.seed)
+
+    def near_best(self, ranked: Sequence[T], predicted: Callable[[T], float], slo_s: float) -> T:
+        """The first of `ranked` (best first), or with `choice_tolerance`, one drawn at random among those
+        predicted within that share of it, and within `slo_s` when it is."""
+        if self.config.choice_tolerance <= 0:
+            return ranked[0]
+        best = predicted(ranked[0])
+        bound = best * (1 + self.config.choice_tolerance)
+        if best <= slo_s:
+            bound = min(bound, slo_s)
+        near = [x for x in ranked if predicted(x) <= bound]
+        return self.rng.choice(near) if len(near) > 1 else ranked[0]
 
     # --- predictions ------------------------------------------------------------------------------
 
@@ -102,7 +119,9 @@ class SloAware(PlacementPolicy):
             predicted = model.prefill_time_s(tokens)
         else:
             decodes = min(r.num_running, tokens)
-            predicted = model.mixed_step_s(decodes, r.context_tokens, tokens - decodes)
+            # the state the step times were measured in: the stats' own context, without pending placements
+            measured_context = r.context_tokens - r.pending_blocks * r.block_size
+            predicted = model.mixed_step_s(decodes, measured_context, tokens - decodes)
         if predicted <= 0:
             return 1.0
         low, high = cfg.slowdown_bounds
@@ -191,7 +210,7 @@ class SloAware(PlacementPolicy):
             return self._split(request, o, prefill, "kv_full", None, ())
         ranked = self.rank_decode(request, roomy, prefill)
         candidates = tuple(c for _, _, c in ranked)
-        tpot, best, _ = ranked[0]
+        tpot, best, _ = self.pick_decode(request, ranked)
         if tpot <= request.tpot_slo_s:
             return self._split(request, best, prefill, None, tpot, candidates)
         if cfg.admission == "reject" and tpot > cfg.reject_factor * request.tpot_slo_s:
@@ -206,6 +225,11 @@ class SloAware(PlacementPolicy):
         scored = sorted(((self.tpot_s(request, o), o) for o in roomy),
                         key=lambda t: (t[0], -_free(t[1].replica), t[1].replica.replica_id))
         return [(t, o, Candidate(o.replica.replica_id, "decode", "tpot", t)) for t, o in scored]
+
+    def pick_decode(
+        self, request: PlacementRequest, ranked: list[tuple[float, _Option, Candidate]]
+    ) -> tuple[float, _Option, Candidate]:
+        return self.near_best(ranked, lambda t: t[0], request.tpot_slo_s)
 
     def _split(
         self, request: PlacementRequest, d: _Option, prefill: Sequence[ReplicaSnapshot], over: str | None,
@@ -242,7 +266,7 @@ class SloAware(PlacementPolicy):
         scored = self._remote_scores(request, prefill)
         if not scored:
             return None
-        ttft, _, replica_id, chunk = scored[0]
+        ttft, _, replica_id, chunk = self.near_best(scored, lambda t: t[0], request.ttft_slo_s)
         return _replace(
             local, disaggregate=True, prefill_replica=replica_id, reason="disaggregated",
             predicted_ttft_s=ttft,

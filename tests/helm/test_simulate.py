@@ -8,10 +8,14 @@ from pdserve.bench.placement import main
 
 
 def test_simulation_prints_one_json_object(capsys):
-    assert main(["--prefill", "6", "--decode", "10", "--requests", "60", "--routers", "2", "--json"]) == 0
+    assert main(["--prefill", "6", "--decode", "10", "--requests", "60", "--routers", "1,2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert set(result["policies"]) == {"round_robin", "least_loaded", "slo_aware"}
-    for policy in result["policies"].values():
+    assert set(result["attainment_by_routers"]) == {"1", "2"}
+    for attainment in result["attainment_by_routers"].values():
+        assert set(attainment) == {"round_robin", "least_loaded", "slo_aware", "oracle"}
+        assert all(0 <= a <= 1 for a in attainment.values())
+    assert set(result["by_routers"]["2"]) == {"round_robin", "least_loaded", "slo_aware"}
+    for policy in result["by_routers"]["2"].values():
         assert 0 <= policy["slo_attainment"] <= 1 and 0 < policy["oracle_slo_attainment"] <= 1
         assert policy["decision_ms"]["p50"] > 0
         assert policy["ttft_s"]["p50"] > 0 and policy["tpot_s"]["p50"] > 0
@@ -20,6 +24,17 @@ def test_simulation_prints_one_json_object(capsys):
 def test_oracle_matches_slo_aware_with_exact_views(capsys):
     """One router polling before every request sees the exact state: slo_aware is then the oracle."""
     main(["--prefill", "6", "--decode", "10", "--requests", "40", "--routers", "1", "--poll-s", "0",
-          "--policies", "slo_aware"])
-    result = json.loads(capsys.readouterr().out)["policies"]["slo_aware"]
+          "--policies", "slo_aware", "--choice-tolerance", "0"])
+    result = json.loads(capsys.readouterr().out)["by_routers"]["1"]["slo_aware"]
     assert result["ttft_regret_s"]["p99"] == 0 and result["tpot_regret_s"]["p99"] == 0
+
+
+def test_router_counts_that_cannot_work_are_refused(capsys):
+    for bad in ("0", "two", "1,-2"):
+        try:
+            main(["--routers", bad])
+        except SystemExit as exc:
+            assert exc.code == 2
+        else:
+            raise AssertionError(f"--routers {bad} was accepted")
+    assert "--routers" in capsys.readouterr().err
