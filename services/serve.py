@@ -107,6 +107,33 @@ def _wait_running(names: list[str], stop: threading.Event, poll_s: float = 0.5) 
     return False
 
 
+def _ports_blocked(args: argparse.Namespace, stop: threading.Event) -> int | None:
+    """Exit code 2 when a port the router will bind is taken, checked before anything starts (Serve would
+    otherwise fail deep in a replica's log and block the port for good); waits out a just-stopped
+    server's TIME_WAIT connections. None: the ports are free."""
+    from pdserve.runtime.ports import IN_USE, wait_bindable
+
+    ports = {"--port": args.port, **({"--grpc-port": args.grpc_port} if args.grpc_port else {})}
+    blocked = wait_bindable(args.host, ports, stop, lambda m: print(f"pdserve serve: {m}", flush=True))
+    if stop.is_set():
+        return _stopped()
+    for flag, state in blocked.items():
+        why = "is in use by another program" if state == IN_USE else "did not free within a minute"
+        print(f"pdserve serve: port {ports[flag]} ({flag}) {why}; stop that program or choose another {flag}",
+              file=sys.stderr, flush=True)
+    return 2 if blocked else None
+
+
+def _wait_ports_released(args: argparse.Namespace) -> None:
+    """Ray's replica processes exit after ray.shutdown returns: until they let go of the ports, a
+    `pdserve serve` started right after this one could not bind them."""
+    from pdserve.runtime.ports import wait_released
+
+    ports = [args.port, *([args.grpc_port] if args.grpc_port else [])]
+    if held := wait_released(args.host, ports):
+        print(f"pdserve serve: port {held[0]} is still held after shutdown", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     """`pdserve serve` with its parsed flags: the config checked first, then Redis, Ray and Serve, until a
     signal."""
@@ -123,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if (blocked := _ports_blocked(args, stop)) is not None:
+        return blocked
     redis = supervisor = None
     ray_started = False
     try:
@@ -200,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
             with contextlib.suppress(Exception):
                 serve.shutdown()
             ray.shutdown()
+            _wait_ports_released(args)
         if supervisor is not None:
             supervisor.stop()
         if redis is not None:

@@ -1,0 +1,77 @@
+"""Whether a port can be bound the way Ray Serve's ingress binds it, and why not.
+
+Serve's direct ingress binds without SO_REUSEADDR, so the connections a stopped server closed first
+(TCP TIME_WAIT, up to 60 s on Linux) keep its port from being bound again, and Serve then marks the
+port blocked for good. A port held by a listening program never frees by itself.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+FREE, TIME_WAIT, IN_USE = "free", "time_wait", "in_use"
+TIME_WAIT_S = 60.0  # Linux's TCP TIME_WAIT
+
+
+def _binds(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
+
+
+def _listened_on(host: str, port: int) -> bool:
+    target = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    try:
+        socket.create_connection((target, port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
+def port_state(host: str, port: int) -> str:
+    """FREE; TIME_WAIT (no listener, only a closed server's connections hold it: it frees by itself); or
+    IN_USE (a program listens on it)."""
+    if _binds(host, port):
+        return FREE
+    return IN_USE if _listened_on(host, port) else TIME_WAIT
+
+
+def wait_released(host: str, ports: list[int], timeout_s: float = 20.0, poll_s: float = 0.1) -> list[int]:
+    """Waits until no program listens on `ports` (a stopped server's processes exit after it returns);
+    the ports still listened on."""
+    deadline = time.monotonic() + timeout_s
+    while (held := [p for p in ports if port_state(host, p) == IN_USE]) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return held
+
+
+def wait_bindable(host: str, ports: dict[str, int], stop: threading.Event, report: Callable[[str], None],
+                  timeout_s: float = TIME_WAIT_S + 5, in_use_grace_s: float = 5.0,
+                  poll_s: float = 0.5) -> dict[str, str]:
+    """Waits while some of `ports` ({flag: port}) are held only by TIME_WAIT; {flag: state} of those that
+    are still not free (empty: all free). A port a program listens on is returned after `in_use_grace_s`
+    (a server stopped a moment ago may still be exiting)."""
+    start = time.monotonic()
+    told = set()
+    while True:
+        states = {flag: port_state(host, port) for flag, port in ports.items()}
+        blocked = {flag: state for flag, state in states.items() if state != FREE}
+        waited = time.monotonic() - start
+        in_use_for_good = IN_USE in blocked.values() and waited >= in_use_grace_s
+        if not blocked or in_use_for_good or waited >= timeout_s or stop.is_set():
+            return blocked
+        for flag in {f for f, state in blocked.items() if state == TIME_WAIT} - told:
+            report(f"port {ports[flag]} ({flag}) still holds connections of a server that just stopped "
+                   f"(TCP TIME_WAIT); waiting up to {timeout_s:.0f} s for it to free")
+            told.add(flag)
+        stop.wait(poll_s)
