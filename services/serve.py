@@ -111,14 +111,16 @@ def _ports_blocked(args: argparse.Namespace, stop: threading.Event) -> int | Non
     """Exit code 2 when a port the router will bind is taken, checked before anything starts (Serve would
     otherwise fail deep in a replica's log and block the port for good); waits out a just-stopped
     server's TIME_WAIT connections. None: the ports are free."""
-    from pdserve.runtime.ports import IN_USE, wait_bindable
+    from pdserve.runtime.ports import IN_USE, holder, wait_bindable
 
     ports = {"--port": args.port, **({"--grpc-port": args.grpc_port} if args.grpc_port else {})}
     blocked = wait_bindable(args.host, ports, stop, lambda m: print(f"pdserve serve: {m}", flush=True))
     if stop.is_set():
         return _stopped()
     for flag, state in blocked.items():
-        why = "is in use by another program" if state == IN_USE else "did not free within a minute"
+        by = holder(ports[flag]) if state == IN_USE else None
+        why = (f"is in use by another program{f', {by}' if by else ''}" if state == IN_USE
+               else "did not free within a minute")
         print(f"pdserve serve: port {ports[flag]} ({flag}) {why}; stop that program or choose another {flag}",
               file=sys.stderr, flush=True)
     return 2 if blocked else None

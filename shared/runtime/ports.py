@@ -8,10 +8,12 @@ port blocked for good. A port held by a listening program never frees by itself.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 FREE, TIME_WAIT, IN_USE = "free", "time_wait", "in_use"
 TIME_WAIT_S = 60.0  # Linux's TCP TIME_WAIT
@@ -44,6 +46,30 @@ def port_state(host: str, port: int) -> str:
     if _binds(host, port):
         return FREE
     return IN_USE if _listened_on(host, port) else TIME_WAIT
+
+
+def holder(port: int) -> str | None:
+    """'pid 1234 (python3)' of a process listening on `port`, from /proc (Linux; None where it cannot tell:
+    another user's process, another network namespace)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    for proc in Path("/proc").iterdir() if inodes else ():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                return f"pid {proc.name} ({(proc / 'comm').read_text().strip()})"
+        except OSError:
+            continue
+    return None
 
 
 def wait_released(host: str, ports: list[int], timeout_s: float = 20.0, poll_s: float = 0.1) -> list[int]:

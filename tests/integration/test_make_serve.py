@@ -177,3 +177,46 @@ def test_one_ctrl_c_during_start_up_stops_everything(make_serve):
     assert "pdserve is serving" not in run.output
     assert "pdserve serve: stopped" in run.output
     run.assert_nothing_left()
+
+
+def test_ctrl_c_then_make_serve_again_at_once_answers_three_times_in_a_row(make_serve):
+    """Stopped and started again at once, as a user does: before, the new router could not bind port 8000
+    (the old replica still listened, or its closed connections sat in TIME_WAIT) and Serve blocked it."""
+    import openai
+
+    for attempt in range(3):
+        run = make_serve()
+        run.wait_for("pdserve is serving", timeout=600)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        answer = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=32, temperature=0)
+        assert "Paris" in answer.choices[0].message.content, f"attempt {attempt}"
+        run.ctrl_c()
+        assert "pdserve serve: stopped" in run.output
+
+
+def test_port_8000_held_by_another_program_exits_2_naming_it(tmp_path):
+    """`pdserve serve` with no flags, as users run it, while another process listens on port 8000."""
+    import sys
+
+    if _port_taken(PORT):
+        pytest.fail(f"port {PORT} is taken by another program: this test must hold it itself", pytrace=False)
+    # a server stopped just before (another test) leaves TCP TIME_WAIT on the port for up to 60 s
+    holder = (f"import socket, time\ns = socket.socket()\nfor _ in range(180):\n    try:\n"
+              f"        s.bind(('127.0.0.1', {PORT}))\n        break\n    except OSError:\n        time.sleep(0.5)\n"
+              "s.listen()\nprint('ready', flush=True)\ntime.sleep(120)\n")
+    other = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "ready"
+        started = time.monotonic()
+        done = subprocess.run([str(ROOT / ".venv" / "bin" / "pdserve"), "serve"], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+        elapsed = time.monotonic() - started
+    finally:
+        other.kill()
+        other.wait()
+    print(f"exit {done.returncode} after {elapsed:.1f} s: {done.stderr.strip()}")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"port {PORT} (--port) is in use by another program, pid {other.pid} (python" in done.stderr

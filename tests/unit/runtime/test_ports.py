@@ -76,3 +76,15 @@ def test_wait_released_returns_once_the_listener_is_gone():
     assert wait_released(HOST, [port], timeout_s=5) == []
     with _listener(port):
         assert wait_released(HOST, [port], timeout_s=0.2) == [port]
+
+
+def test_holder_names_the_listening_process():
+    import os
+
+    from pdserve.runtime.ports import holder
+
+    port = free_port()
+    assert holder(port) is None
+    with _listener(port):
+        name = holder(port)
+    assert name is not None and name.startswith(f"pid {os.getpid()} (")
