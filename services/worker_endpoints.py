@@ -47,7 +47,9 @@ class WorkerEndpoints:
     async def metrics_snapshot(self, target: dict[str, Any] | None = None) -> dict[str, Any]:
         """`target` ({"replica": id}) only steers the call to this replica; see PlacementRequestRouter."""
         metrics = self.telemetry.metrics
-        metrics.set_kv_leases("held", len(self.engine.engine.leases))
+        leases = self.engine.engine.leases
+        metrics.set_kv_leases("held", len(leases))
+        metrics.set_kv_lease_ages(leases.oldest_age_s(), self.engine.engine.num_expired_leases)
         metrics.set_kv_leases("exported", self.transport.num_exports if self.transport is not None else 0)
         return self.telemetry.worker_snapshot(self.engine.stats())
 

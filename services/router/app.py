@@ -114,6 +114,8 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
                              links=LinkClient() if self.config.worker_link else None,
                              on_poll=self.api_metrics.count_stats_poll)
         self.workers = Workers(prefill, decode, self.placer.poller, self.api_metrics.count_worker_call)
+        self.api_metrics.watch_replicas(self.metrics.registry, lambda role: len(self.placer.poller.snapshots(role)),
+                                        ("prefill", "decode") if prefill is not None else ("decode",))
         self.num_inflight = 0
         self.created = int(time.time())
         self._background: set[asyncio.Task] = set()

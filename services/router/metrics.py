@@ -3,7 +3,10 @@ router's ServingMetrics so one /metrics exposition carries everything."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily
 
 
 class APIMetrics:
@@ -25,6 +28,11 @@ class APIMetrics:
         self.migrations = Counter("pdserve_migrations", "Streams moved to another decode replica mid-stream",
                                   ["reason"], registry=registry)
 
+    def watch_replicas(self, registry: CollectorRegistry, live: Callable[[str], int], roles: tuple[str, ...]) -> None:
+        """`pdserve_router_live_replicas{role}` at every scrape: replicas the stats poller sees alive,
+        0 for a role that has none (an alert can fire on it; an absent series could not)."""
+        registry.register(LiveReplicasCollector(live, roles))
+
     def count_migration(self, reason: str) -> None:
         self.migrations.labels(reason).inc()
 
@@ -37,3 +45,18 @@ class APIMetrics:
     def count_write(self, num_events: int) -> None:
         self.stream_writes.inc()
         self.stream_events.inc(num_events)
+
+
+class LiveReplicasCollector:
+    def __init__(self, live: Callable[[str], int], roles: tuple[str, ...]) -> None:
+        self._live, self._roles = live, roles
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("pdserve_router_live_replicas",
+                                   "Replicas per role that the router's stats poller sees alive", labels=["role"])
+        for role in self._roles:
+            family.add_metric([role], self._live(role))
+        yield family
+
+    def describe(self) -> list:
+        return []

@@ -40,6 +40,13 @@ class LeaseTable:
         except KeyError:
             raise KeyError(f"unknown or expired lease {lease_id!r}") from None
 
+    def oldest_age_s(self, now: float | None = None) -> float:
+        """Seconds since the oldest lease still held was granted; 0 with none."""
+        if not self.leases:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return max(0.0, now - min(lease.expires_at for lease in self.leases.values()) + self.ttl_s)
+
     def expired(self, now: float | None = None) -> list[Lease]:
         now = time.monotonic() if now is None else now
         gone = [lease for lease in self.leases.values() if lease.expires_at <= now]

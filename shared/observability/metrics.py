@@ -194,6 +194,11 @@ class ServingMetrics:
         self._spec_totals = [0, 0, 0]  # drafted, accepted, verifications
         self._kv_leases = Gauge("pdserve_kv_leases", "KV leases by state: held (in the engine's lease table), "
                                 "exported (offered by the KV transport, not yet pulled)", [*LABELS, "state"], registry=r)
+        self._kv_lease_oldest = gauge(
+            "pdserve_kv_lease_oldest_seconds", "Age of the oldest KV lease still held (0 with none)")
+        self._kv_leases_expired = counter(
+            "pdserve_kv_leases_expired", "KV leases that expired before decode adopted them")
+        self._num_expired_leases = 0
         if slo is not None:
             r.register(SloCollector(slo, self.labels))
 
@@ -250,6 +255,13 @@ class ServingMetrics:
 
     def set_kv_leases(self, state: str, n: int) -> None:
         self._kv_leases.labels(*self.labels, state).set(n)
+
+    def set_kv_lease_ages(self, oldest_s: float, num_expired: int) -> None:
+        """`num_expired` is the engine's running count; the counter takes its increase."""
+        self._kv_lease_oldest.set(oldest_s)
+        if num_expired > self._num_expired_leases:
+            self._kv_leases_expired.inc(num_expired - self._num_expired_leases)
+            self._num_expired_leases = num_expired
 
     def watch_redis(self, probe: RedisHealth) -> None:
         """`pdserve_redis_up` from `probe` at every scrape (absent until its first probe)."""

@@ -346,3 +346,14 @@ def test_slo_gauges_through_record_request_and_router_render():
     fam = parse(router.render())
     assert value(fam, "pdserve_slo_window_requests", "pdserve_slo_window_requests", **labels) == 0
     assert not math.isnan(value(fam, "pdserve_slo_window_seconds", "pdserve_slo_window_seconds", **labels))
+
+
+def test_lease_age_and_expired_leases():
+    m = ServingMetrics(**DECODE0)
+    m.set_kv_lease_ages(0.0, 0)
+    m.set_kv_lease_ages(12.5, 3)
+    m.set_kv_lease_ages(4.0, 3)  # the same running count again adds nothing
+    m.set_kv_lease_ages(4.0, 5)
+    families = parse(m.render())
+    assert value(families, "pdserve_kv_lease_oldest_seconds", "pdserve_kv_lease_oldest_seconds", **DECODE0) == 4.0
+    assert value(families, "pdserve_kv_leases_expired", "pdserve_kv_leases_expired_total", **DECODE0) == 5
