@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-fast bench clean
+.PHONY: serve test test-fast bench clean ops-tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,7 +19,11 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/pdserve serve
 
-test: $(STAMP)
+# Prometheus, promtool and headless Chromium, which the operations tests run for real
+ops-tools:
+	bash deploy/ops/install-tools.sh
+
+test: $(STAMP) ops-tools
 	$(BIN)/python -m pytest -q tests
 
 # the edit loop: no Ray, Serve, Redis, UCX or server processes (tests/conftest.py marks those slow)
