@@ -91,6 +91,10 @@ def _ingress(args: argparse.Namespace, config) -> str:
     return ingress
 
 
+class DeployFailed(RuntimeError):
+    """Serve gave up on a deployment of the app."""
+
+
 def _wait_running(names: list[str], stop: threading.Event, poll_s: float = 0.5) -> bool:
     """Until every Serve app in `names` runs (True) or `stop` is set (False); a failed deploy raises."""
     from ray import serve
@@ -100,7 +104,7 @@ def _wait_running(names: list[str], stop: threading.Event, poll_s: float = 0.5) 
         states = {name: apps[name] for name in names if name in apps}
         failed = [f"{n}: {a.message}" for n, a in states.items() if a.status == "DEPLOY_FAILED"]
         if failed:
-            raise RuntimeError("deployment failed: " + "; ".join(failed))
+            raise DeployFailed("deployment failed: " + "; ".join(failed))
         if len(states) == len(names) and all(a.status == "RUNNING" for a in states.values()):
             return True
         stop.wait(poll_s)
@@ -124,6 +128,21 @@ def _ports_blocked(args: argparse.Namespace, stop: threading.Event) -> int | Non
         print(f"pdserve serve: port {ports[flag]} ({flag}) {why}; stop that program or choose another {flag}",
               file=sys.stderr, flush=True)
     return 2 if blocked else None
+
+
+def _router_could_not_bind(args: argparse.Namespace) -> int | None:
+    """Exit code 2, naming the port and its holder, when a program took a router port after the check at
+    start (Serve reports only that the router deployment failed); None when the ports are not taken."""
+    from pdserve.runtime.ports import IN_USE, holder, port_state
+
+    ports = {"--port": args.port, **({"--grpc-port": args.grpc_port} if args.grpc_port else {})}
+    taken = {flag: port for flag, port in ports.items() if port_state(args.host, port) == IN_USE}
+    for flag, port in taken.items():
+        by = holder(port)
+        print(f"pdserve serve: the router replica could not bind port {port} ({flag}): another program took it "
+              f"after start{f', {by}' if by else ''}; stop that program or choose another {flag}",
+              file=sys.stderr, flush=True)
+    return 2 if taken else None
 
 
 def _wait_ports_released(args: argparse.Namespace) -> None:
@@ -209,10 +228,18 @@ def run(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": args.host, "port": http_port}, grpc_options=grpc_options)
         serve._run(build_system(config), name="pdserve", route_prefix="/", _blocking=False)
         print(f"loading {config.model} in the replicas ...", flush=True)
-        if not _wait_running(["pdserve"], stop):
+        try:
+            running = _wait_running(["pdserve"], stop)
+        except DeployFailed:
+            if (code := _router_could_not_bind(args)) is not None:
+                return code
+            raise
+        if not running:
             return _stopped()
         if ingress == "direct" and "pdserve" not in routes_at(args.host, args.port).values():
-            print(f"pdserve serve: the router did not take port {args.port} (in use?)", file=sys.stderr, flush=True)
+            if (code := _router_could_not_bind(args)) is not None:
+                return code
+            print(f"pdserve serve: the router did not take port {args.port}", file=sys.stderr, flush=True)
             return 1
         url = f"http://{args.host}:{args.port}"
         print(f"pdserve is serving {config.model} ({config.mode}, {config.transport} transport, {ingress} ingress) "

@@ -96,3 +96,28 @@ def test_a_restart_right_after_a_stop_serves(tmp_path):
         assert _complete(port) == text
     finally:
         assert _stop(second) == 0, (tmp_path / "second.log").read_text()[-3000:]
+
+
+def test_a_port_taken_after_the_check_is_reported_as_the_router_failing_to_bind(tmp_path):
+    """A program that takes the port between the check at start and the router replica's bind: Serve only
+    says the router deployment failed; pdserve serve says which port, and who holds it."""
+    port, grpc_port = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    proc = _serve(port, grpc_port, log)
+    with socket.socket() as other:
+        try:
+            deadline = time.monotonic() + 60
+            while "CPU split" not in log.read_text():  # checked and free; Ray is up, Serve not yet
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+            other.bind(("127.0.0.1", port))
+            other.listen()
+            code = proc.wait(180)
+        finally:
+            if proc.poll() is None:
+                _stop(proc)
+    output = log.read_text()
+    assert code == 2, output[-3000:]
+    assert (f"the router replica could not bind port {port} (--port): another program took it after start, "
+            f"pid {os.getpid()}") in output
+    assert "deployment failed:" not in output  # pdserve's own generic error, with its traceback
