@@ -35,6 +35,7 @@ from pdserve.placement.policy import (
     create_policy,
 )
 from pdserve.placement.prefix_index import PrefixIndex, leading_hits
+from pdserve.placement.sync import NoSync, PlacementSync, RemoteEntry
 from pdserve.services.router.replica_stats import ReplicaStatsPoller
 from pdserve.placement.slo_aware import is_pull_faster
 from pdserve.worklink import LinkClient
@@ -46,11 +47,11 @@ class Placer:
     def __init__(
         self, config: PlacementConfig, profile: LatencyProfile | None, app_name: str, has_prefill: bool,
         workers: Mapping[str, Any] | None = None, kvstore: Any = None, links: LinkClient | None = None,
-        on_poll: Callable[[str, str], None] | None = None,
+        on_poll: Callable[[str, str], None] | None = None, sync: PlacementSync | None = None,
     ) -> None:
         """`workers`: role -> deployment handle, to read the replicas' KV events (None: no prefix index);
         `kvstore`: the kvstore deployment's handle (None: no Redis tier lookups); `links` and `on_poll`:
-        see ReplicaStatsPoller."""
+        see ReplicaStatsPoller; `sync`: shares placements with the app's other routers (None: none)."""
         if config.policy == "slo_aware" and profile is None:
             logger.warning("slo_aware placement needs a latency profile (router.profile_path); using least_loaded")
             config = config.model_copy(update={"policy": "least_loaded"})
@@ -65,6 +66,7 @@ class Placer:
                                          links=links, on_poll=on_poll)
         self.kvstore = kvstore
         self.pending = PendingPlacements()
+        self.sync = sync or NoSync()
         self._observed: dict[str, float] = {}  # replica -> receive time of the stats already observed
 
     @property
@@ -73,6 +75,13 @@ class Placer:
 
     def start(self) -> None:
         self.poller.start()
+        self.sync.start(self._record_remote)
+
+    def _record_remote(self, entries: list[RemoteEntry]) -> None:
+        """Another router's placements; one that stats already received here must show is dropped."""
+        for replica, prefill_tokens, blocks, placed_at in entries:
+            if placed_at > self._observed.get(replica, float("-inf")) - self.pending.grace_s:
+                self.pending.record(replica, prefill_tokens, blocks, placed_at)
 
     def snapshots(self, role: str) -> list[ReplicaSnapshot]:
         now = time.monotonic()
@@ -99,7 +108,7 @@ class Placer:
         result = self.policy.place(request, prefill, decode)
         if isinstance(result, Placement) and decode:
             result = self._with_prefix(result, request, {s.replica_id: s for s in replicas})
-            self.pending.record_placement(result, request, decode[0].block_size)
+            self.sync.publish(self.pending.record_placement(result, request, decode[0].block_size))
         return result
 
     async def _stored_blocks(self, block_hashes: tuple[int, ...]) -> int:
@@ -135,4 +144,5 @@ class Placer:
         return dataclasses.replace(placement, prefix_hit_tokens=hit, prefix_pull_blocks=pull)
 
     async def close(self) -> None:
+        await self.sync.close()
         await self.poller.close()

@@ -7,7 +7,8 @@ an exact state (running sequences, queued prefill tokens, free blocks) that evol
 at their true step time, prefill queues drain at their true rate. Requests arrive as a Poisson stream
 spread over several routers (1, 2, 4, 8, 16 by default: `attainment_by_routers`); each router sees stats
 polled every `poll_s` plus its own pending placements (pending.PendingPlacements, as the router uses
-it), never the other routers' since the poll.
+it); the other routers' placements since the poll only with `--sync-delay-s` (placement sync, each
+placement heard that long after it is made).
 
 The oracle is the slo_aware objective with exact, instant state and the true speeds. For every request,
 in the same state, the policy's choice and the oracle's are both judged with true latencies: SLO
@@ -24,6 +25,7 @@ import random
 import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel, TransferModel
@@ -135,7 +137,8 @@ def run_policy(name: str, args: argparse.Namespace, profile: LatencyProfile) -> 
     clock = [0.0]
     pendings = [PendingPlacements(grace_s=0.0, clock=lambda: clock[0]) for _ in routers]
     polled: list[ReplicaSnapshot] = []
-    next_poll = 0.0
+    next_poll = last_poll = 0.0
+    inbox: deque[tuple[float, int, list[tuple[str, int, int]], float]] = deque()  # placement sync in flight
     view_s, decision_s, met, met_oracle, ttft_regret, tpot_regret, ttfts, tpots = [], [], 0, 0, [], [], [], []
     for i in range(args.requests):
         dt = rng.expovariate(args.rate)
@@ -147,7 +150,14 @@ def run_policy(name: str, args: argparse.Namespace, profile: LatencyProfile) -> 
             for pending in pendings:
                 for r in cluster:
                     pending.observe(r.replica_id, clock[0])
-            next_poll = clock[0] + args.poll_s
+            next_poll, last_poll = clock[0] + args.poll_s, clock[0]
+        while inbox and inbox[0][0] <= clock[0]:  # what the other routers placed reaches this one's view
+            _, sender, entries, placed_at = inbox.popleft()
+            if placed_at > last_poll:  # else the polled stats already show it (as placer.py drops it)
+                for j, pending in enumerate(pendings):
+                    if j != sender:
+                        for replica, prefill_tokens, blocks in entries:
+                            pending.record(replica, prefill_tokens, blocks, placed_at)
         k = i % len(routers)
         prompt = max(BLOCK, int(rng.lognormvariate(math.log(args.prompt_tokens) - 0.125, 0.5)))
         request = PlacementRequest(prompt, args.output_tokens, args.ttft_s, args.tpot_s)
@@ -173,7 +183,9 @@ def run_policy(name: str, args: argparse.Namespace, profile: LatencyProfile) -> 
         # the request lands in the true state, and in this router's pending placements
         by_id[placement.decode_replica].seqs.append([float(prompt), float(args.output_tokens)])
         by_id[placement.prefill_replica or placement.decode_replica].queue.append(float(prompt))
-        pendings[k].record_placement(placement, request, BLOCK)
+        entries = pendings[k].record_placement(placement, request, BLOCK)
+        if args.sync_delay_s is not None and len(routers) > 1:
+            inbox.append((clock[0] + args.sync_delay_s, k, entries, clock[0]))
     n = args.requests
     return {
         "decision_ms": _dist([x * 1e3 for x in decision_s]),  # place() alone
@@ -199,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=6000.0, help="requests/s over the whole cluster")
     p.add_argument("--routers", default="1,2,4,8,16", help="router counts to simulate, comma-separated")
     p.add_argument("--poll-s", type=float, default=0.1)
+    p.add_argument("--sync-delay-s", type=float, default=None,
+                   help="routers share their placements (router.placement_sync), each heard this long after it "
+                        "is made; default: no sharing, each router knows only its own placements since the poll")
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--output-tokens", type=int, default=250)
     p.add_argument("--initial-batch", type=int, default=48)
@@ -217,10 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--routers: comma-separated router counts, got {args.routers!r}")
     if any(n < 1 for n in counts):
         p.error("--routers: every router count is at least 1")
+    if args.sync_delay_s is not None and args.sync_delay_s < 0:
+        p.error("--sync-delay-s: at least 0")
     profile = h100_8b_profile()
     result = {"command": "python -m pdserve.bench.placement " + " ".join(argv or sys.argv[1:]),
               "replicas": {"prefill": args.prefill, "decode": args.decode}, "routers": counts,
-              "rate_rps": args.rate, "requests": args.requests,
+              "rate_rps": args.rate, "requests": args.requests, "sync_delay_s": args.sync_delay_s,
               "slo": {"ttft_s": args.ttft_s, "tpot_s": args.tpot_s},
               "attainment_by_routers": {}, "decision_ms_p50_by_routers": {}, "by_routers": {}}
     for n in counts:

@@ -16,6 +16,18 @@ from dataclasses import dataclass
 from pdserve.placement.policy import Placement, PlacementRequest, ReplicaSnapshot
 
 
+def placement_entries(placement: Placement, request: PlacementRequest, block_size: int) -> list[tuple[str, int, int]]:
+    prompt = request.num_prompt_tokens
+    computed = prompt - placement.prefix_hit_tokens
+    entries = []
+    if placement.disaggregate and placement.prefill_replica is not None:
+        entries.append((placement.prefill_replica, computed, -(-prompt // block_size)))
+    if placement.decode_replica is not None:
+        local_prefill = 0 if placement.disaggregate else computed
+        entries.append((placement.decode_replica, local_prefill, -(-(prompt + request.max_tokens) // block_size)))
+    return entries
+
+
 @dataclass(frozen=True)
 class _Entry:
     placed_at: float
@@ -31,20 +43,20 @@ class PendingPlacements:
         self._clock = clock
         self._entries: dict[str, list[_Entry]] = defaultdict(list)
 
-    def record(self, replica_id: str, prefill_tokens: int, blocks: int) -> None:
-        self._entries[replica_id].append(_Entry(self._clock(), prefill_tokens, blocks))
+    def record(self, replica_id: str, prefill_tokens: int, blocks: int, placed_at: float | None = None) -> None:
+        """`placed_at` (this object's clock): when another router placed it; None: now."""
+        placed_at = self._clock() if placed_at is None else placed_at
+        self._entries[replica_id].append(_Entry(placed_at, prefill_tokens, blocks))
 
-    def record_placement(self, placement: Placement, request: PlacementRequest, block_size: int) -> None:
-        """The prompt's prefill (less its expected prefix hit) and blocks on the prefill replica (or the
-        decode replica when local), and the whole sequence's blocks on the decode replica."""
-        prompt = request.num_prompt_tokens
-        computed = prompt - placement.prefix_hit_tokens
-        if placement.disaggregate and placement.prefill_replica is not None:
-            self.record(placement.prefill_replica, computed, -(-prompt // block_size))
-        if placement.decode_replica is not None:
-            local_prefill = 0 if placement.disaggregate else computed
-            blocks = -(-(prompt + request.max_tokens) // block_size)
-            self.record(placement.decode_replica, local_prefill, blocks)
+    def record_placement(self, placement: Placement, request: PlacementRequest,
+                         block_size: int) -> list[tuple[str, int, int]]:
+        """Records, and returns as (replica, prefill tokens, blocks), the prompt's prefill (less its expected
+        prefix hit) and blocks on the prefill replica (or the decode replica when local), and the whole
+        sequence's blocks on the decode replica."""
+        entries = placement_entries(placement, request, block_size)
+        for replica_id, prefill_tokens, blocks in entries:
+            self.record(replica_id, prefill_tokens, blocks)
+        return entries
 
     def observe(self, replica_id: str, stats_taken_at: float) -> None:
         """Stats taken at `stats_taken_at` (this object's clock) show every placement up to grace_s before."""

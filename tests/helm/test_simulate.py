@@ -38,3 +38,32 @@ def test_router_counts_that_cannot_work_are_refused(capsys):
         else:
             raise AssertionError(f"--routers {bad} was accepted")
     assert "--routers" in capsys.readouterr().err
+
+
+def test_routers_with_instant_placement_sync_place_as_one_router(capsys):
+    """With every placement heard at once (and no random choice), 8 routers hold one shared view and place
+    about as 1 router does (their policies' seeds still break ties differently). Without sync the same 8
+    routers herd: slower first tokens and missed SLOs."""
+    base = ["--prefill", "6", "--decode", "10", "--requests", "200", "--rate", "400", "--policies", "slo_aware",
+            "--choice-tolerance", "0"]
+
+    def run(*extra: str) -> dict:
+        main([*base, *extra])
+        return json.loads(capsys.readouterr().out)["by_routers"]
+
+    one = run("--routers", "1")["1"]["slo_aware"]
+    synced = run("--routers", "8", "--sync-delay-s", "0")["8"]["slo_aware"]
+    alone = run("--routers", "8")["8"]["slo_aware"]
+    assert synced["slo_attainment"] == one["slo_attainment"]
+    assert abs(synced["ttft_s"]["mean"] / one["ttft_s"]["mean"] - 1) < 0.1
+    assert alone["ttft_s"]["mean"] > 1.5 * one["ttft_s"]["mean"] and alone["slo_attainment"] < one["slo_attainment"]
+
+
+def test_a_negative_sync_delay_is_refused(capsys):
+    try:
+        main(["--sync-delay-s", "-0.001"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("a negative --sync-delay-s was accepted")
+    assert "--sync-delay-s" in capsys.readouterr().err
