@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.structured.config import StructuredConfig
+
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,6 +89,7 @@ class EngineConfig:
     attention_backend: str | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     pack_weights: bool = True  # CPU: linear weights reordered once for oneDNN (pdserve.models.linear)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)  # response_format's grammars
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

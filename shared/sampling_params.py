@@ -32,6 +32,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # (token id, bias added to its logit), sorted by token id; a mapping is accepted and normalized
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # structured output: the text must be JSON valid under this schema (canonical JSON text, as
+    # pdserve.structured.canonical_schema writes it; plain data so it crosses Ray, the worker link and
+    # the handoff); None: unconstrained
+    json_schema: str | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +62,8 @@ class SamplingParams:
             (all(t >= 0 and math.isfinite(b) and abs(b) <= MAX_ABS_LOGIT_BIAS for t, b in self.logit_bias),
              "logit_bias: token ids must be >= 0 and biases in [-100, 100]"),
             (len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias: a token id appears twice"),
+            (self.json_schema is None or (isinstance(self.json_schema, str) and self.json_schema.startswith("{")),
+             "json_schema must be a JSON object's text"),
         ]
         for ok, message in checks:
             if not ok:

@@ -24,6 +24,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pdserve.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams
+from pdserve.structured import JSON_OBJECT_SCHEMA, StructuredOutputError, check_json_schema
 
 MAX_N = 16
 MAX_STOP = 8
@@ -91,6 +92,50 @@ class SLOOverride(BaseModel):
     tpot_ms: StrictFloat | None = Field(None, ge=1, le=60_000)
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: the output is JSON valid under `schema`, enforced whatever `strict` says."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = Field(None, max_length=4096)
+    # "schema" shadows a BaseModel attribute: the field is schema_, the wire name schema
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _check_schema(cls, value):
+        try:
+            check_json_schema(value)
+        except StructuredOutputError as exc:
+            raise PydanticCustomError("json_schema", "this server cannot enforce the schema: {error}",
+                                      {"error": str(exc)[:1000]}) from None
+        return value
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or json_schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only with it')
+        return self
+
+    @property
+    def schema_text(self) -> str | None:
+        """The constraint for SamplingParams.json_schema (canonical JSON text); None for text."""
+        if self.type == "json_object":
+            return JSON_OBJECT_SCHEMA
+        if self.json_schema is not None:
+            return check_json_schema(self.json_schema.schema_)  # cached: checked at validation
+        return None
+
+
 class _SamplingFields(BaseModel):
     # extra="forbid" turns unknown fields into 400s instead of silently ignoring them
     model_config = ConfigDict(extra="forbid")
@@ -121,6 +166,7 @@ class _SamplingFields(BaseModel):
     # X-Priority headers)
     slo: SLOOverride | None = None
     priority: Literal["interactive", "batch"] | None = None
+    response_format: ResponseFormat | None = None  # structured outputs (chat and, as vLLM, completions)
 
     @model_validator(mode="before")
     @classmethod
@@ -174,6 +220,7 @@ class _SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=stops,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=num_logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=self.logit_bias_ids,
+            json_schema=self.response_format.schema_text if self.response_format is not None else None,
         )
 
     @property
@@ -279,7 +326,6 @@ class ChatCompletionRequest(_SamplingFields):
     # accepted so that clients sending their defaults work; anything that asks for them is refused
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("tools")
     @classmethod
@@ -293,13 +339,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _refuse_tool_choice(cls, value):
         if value is not None and value != "none":
             raise unsupported("tool_choice", "tool calling is not implemented")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _check_response_format(cls, value):
-        if value is not None and value != {"type": "text"}:
-            raise unsupported("response_format", 'only type "text" is accepted')
         return value
 
     @model_validator(mode="after")

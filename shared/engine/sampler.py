@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, logit bias, min_tokens masking, temperature, top-k, top-p, min-p, logprobs.
+"""Batched sampling: penalties, logit bias, min_tokens masking, grammar masks (response_format), temperature,
+top-k, top-p, min-p, logprobs.
 
 Randomness uses the exponential-race trick (argmax of p / E with E ~ Exp(1)); each seeded
 request draws its noise from its own generator, so its tokens do not depend on the batch.
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.sequence import Sequence
+from pdserve.structured.bitmask import apply_grammar_masks
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,9 @@ class Sampler:
 
     @staticmethod
     def process(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(raw logprobs if any row asks for logprobs, logits after penalties, bias and min_tokens masking).
-        A row's sequence may be any object with Sequence's token attributes (a draft-extended view)."""
+        """(raw logprobs if any row asks for logprobs, logits after penalties, bias, min_tokens masking and
+        grammar masks). A row's sequence may be any object with Sequence's token attributes (a draft-extended
+        view). Unconstrained batches pay nothing for grammars."""
         params = [s.params for s in seqs]
         raw_logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
         if any(p.has_penalties for p in params):
@@ -126,6 +129,8 @@ class Sampler:
         if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
             logits = logits.clone()
             mask_stop_tokens(logits, seqs)
+        if any(s.grammar is not None for s in seqs):
+            logits = apply_grammar_masks(logits, seqs)
         return raw_logprobs, logits
 
     @staticmethod

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.sampling_params import SamplingParams
+from pdserve.structured import Matcher
 
 
 class SequenceStatus(enum.Enum):
@@ -25,6 +26,7 @@ class OutputTokens:
     token_ids: list[int]
     num_prompt_tokens: int
     num_resumed_tokens: int
+    grammar: Matcher | None = None  # a draft row's view is never constrained (constrained rows do not draft)
 
     @property
     def num_output_tokens(self) -> int:
@@ -72,6 +74,8 @@ class Sequence(OutputTokens):
     # (logprob of prompt token i, its top alternatives) for i < len(list); position 0 has neither.
     # None: not asked for, or computed elsewhere (an adopted sequence: the prefill engine has them).
     prompt_logprobs: list[tuple[float | None, tuple[tuple[int, float], ...] | None]] | None = None
+    # response_format's grammar state, advanced over every output token (None: unconstrained)
+    grammar: Matcher | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

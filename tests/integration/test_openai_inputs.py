@@ -245,7 +245,6 @@ def test_unsupported_fields_are_refused_by_name(client):
         (chat, "tools", {"messages": messages,
                          "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
         (chat, "tool_choice", {"messages": messages, "tool_choice": "required"}),
-        (chat, "response_format", {"messages": messages, "response_format": {"type": "json_object"}}),
     ]:
         err = _bad(call, param, model="tiny", max_tokens=1, **kwargs)
         assert "not supported" in err.message and err.code == "unsupported_parameter"

@@ -38,7 +38,8 @@ class Drafter:
             seq.params.max_tokens - seq.num_output_tokens - 1,  # the bonus token is the last one allowed
             self.max_model_len - len(seq),
         )
-        if limit <= 0 or seq.prefill_only:
+        # a constrained sequence does not draft: drafts are not checked against its grammar yet
+        if limit <= 0 or seq.prefill_only or seq.grammar is not None:
             return []
         return self.proposer.propose(seq.token_ids, limit)
 

@@ -1,0 +1,56 @@
+"""Response formats as the API states them, checked and made canonical on the router (torch-free)."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+from pdserve.structured.backend import StructuredOutputError, backend_class
+from pdserve.structured.config import DEFAULT_BACKEND
+
+JSON_OBJECT_SCHEMA = '{"type":"object"}'  # response_format {"type": "json_object"}: any one JSON object
+MAX_SCHEMA_DEPTH = 64  # JSON nesting levels of a schema (llguidance's own parser stops at 128)
+
+
+def canonical_schema(schema: dict[str, Any]) -> str:
+    """Compact JSON text, keys in the order given (property order is output order): the value that travels
+    in SamplingParams.json_schema and keys the compiled-grammar cache."""
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def check_json_schema(schema: Any, backend: str = DEFAULT_BACKEND) -> str:
+    """The canonical text of a schema the backend can enforce, or StructuredOutputError saying why not."""
+    if not isinstance(schema, dict):
+        raise StructuredOutputError("the schema must be a JSON object")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise StructuredOutputError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    try:
+        text = canonical_schema(schema)
+    except ValueError as exc:  # NaN / Infinity: not JSON
+        raise StructuredOutputError(str(exc)) from None
+    error = _check(text, backend)
+    if error is not None:
+        raise StructuredOutputError(error)
+    return text
+
+
+@lru_cache(maxsize=256)
+def _check(text: str, backend: str) -> str | None:
+    try:
+        backend_class(backend).check(text)
+    except StructuredOutputError as exc:
+        return str(exc)
+    return None
+
+
+def _depth(value: Any) -> int:
+    """JSON nesting levels of a parsed value (iterative: a deep value must not exhaust Python's stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            if level <= MAX_SCHEMA_DEPTH:  # no need to walk further than the bound
+                stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
