@@ -68,6 +68,12 @@ class SystemConfig(BaseModel):
                              "their KV layouts would refuse every handoff")
         return self
 
+    @model_validator(mode="after")
+    def _placement_sync_has_a_redis(self) -> SystemConfig:
+        if self.router.get("placement_sync") == "redis" and not self.redis_url:
+            raise ValueError("router.placement_sync: redis needs the system's redis_url (or auto / none)")
+        return self
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> SystemConfig:
         import yaml
@@ -148,5 +154,5 @@ def build_system(config: SystemConfig | dict[str, Any]) -> Application:
     kv = config.kvstore_config()
     kvstore = build_kvstore(kv) if kv is not None else None
     router = {"model": config.model, "served_model_name": config.served_model_name, "mode": config.mode,
-              "tracing_env": config.tracing_env, **config.router}
+              "tracing_env": config.tracing_env, "redis_url": config.redis_url, **config.router}
     return build_router(router, prefill, decode, kvstore)

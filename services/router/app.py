@@ -12,13 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pdserve.models.resolve import resolve_model_path
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.services.router import openai_api as oa
 from pdserve.latency_model import LatencyProfile
 from pdserve.services.router.admission import Admission, Prepared
 from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.dashboard import RouterDashboard
+from pdserve.services.router.dashboard_page import PAGE as DASHBOARD_PAGE
 from pdserve.services.router.dispatch import DispatchMixin, prediction_attributes
 from pdserve.services.router.errors import APIError, error_body, install_error_handlers
 from pdserve.services.router.grpc_api import GrpcServiceMixin
@@ -29,8 +31,10 @@ from pdserve.observability.metrics import CONTENT_TYPE
 from pdserve.services.router.metrics import APIMetrics
 from pdserve.services.router.openapi_schema import install_openapi
 from pdserve.observability.slo import SloWindow
-from pdserve.observability.telemetry import Telemetry
+from pdserve.observability.telemetry import Telemetry, replica_name
 from pdserve.placement.policy import Placement, PlacementConfig, PlacementRequest, Rejection
+from pdserve.placement.queue import PlacementQueue
+from pdserve.placement.sync import create_sync
 from pdserve.services.router.placer import Placer
 from pdserve.services.router.redis_tier import RedisTierWatch
 from pdserve.services.router.workers import Workers
@@ -42,24 +46,36 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 REQUEST_ID_HEADER = "x-request-id"
+ROUTER_HEADER = "x-pdserve-router"  # the router replica that answered: which streams a lost router took with it
 
 
 class RequestIdMiddleware:
     """Pure ASGI (streams pass through untouched): the request id is X-Request-Id or a fresh one.
 
     The Serve proxy already honours X-Request-Id (generating one when absent, so replicas always see
-    it) and echoes it on the response; echoing here as well would send the header twice.
+    it) and echoes it on the response; echoing here as well would send the header twice. Every response
+    names the router replica that answered (X-Pdserve-Router).
     """
 
     def __init__(self, app) -> None:
         self.app = app
+        self._router: tuple[bytes, bytes] | None = None
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            given = dict(scope.get("headers") or ()).get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
-            request_id = given[:128] if given and given.isprintable() else uuid.uuid4().hex
-            scope.setdefault("state", {})["request_id"] = request_id
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or ()).get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
+        request_id = given[:128] if given and given.isprintable() else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        if self._router is None:
+            self._router = (ROUTER_HEADER.encode(), replica_name("router").encode())
+
+        async def send_with_router(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self._router]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_router)
 
 
 fastapi_app = FastAPI(title="pdserve router", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
@@ -112,8 +128,17 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         self.placer = Placer(placement, profile, _app_name(), prefill is not None,
                              workers={"prefill": prefill, "decode": decode}, kvstore=kvstore,
                              links=LinkClient() if self.config.worker_link else None,
-                             on_poll=self.api_metrics.count_stats_poll)
+                             on_poll=self.api_metrics.count_stats_poll,
+                             sync=create_sync(self.config.placement_sync, self.config.redis_url,
+                                              f"pdserve:placements:{_app_name()}",
+                                              self.config.placement_sync_flush_ms / 1e3))
+        self.queue = PlacementQueue(self.config.queue_max_requests, self.config.queue_timeout_s,
+                                    placement.stats_poll_period_s)
+        self.api_metrics.watch_queue(self.metrics.registry, self.queue)
+        self.api_metrics.watch_sync(self.metrics.registry, self.placer.sync)
         self.workers = Workers(prefill, decode, self.placer.poller, self.api_metrics.count_worker_call)
+        self.dashboard = RouterDashboard(self.config, self.metrics.registry, self._worker_snapshots, self.placer.poller,
+                                         self._fresh_worker_snapshots)
         self.api_metrics.watch_replicas(self.metrics.registry, lambda role: len(self.placer.poller.snapshots(role)),
                                         ("prefill", "decode") if prefill is not None else ("decode",))
         self.num_inflight = 0
@@ -161,6 +186,15 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
     @fastapi_app.get("/metrics")
     async def metrics_endpoint(self) -> Response:
         return Response(self.metrics.render(await self._fresh_worker_snapshots()), media_type=CONTENT_TYPE)
+
+    @fastapi_app.get("/dashboard", include_in_schema=False)
+    async def dashboard_page(self) -> Response:
+        """The live SLA dashboard: one page polling /dashboard/data (services/router/dashboard.py)."""
+        return HTMLResponse(DASHBOARD_PAGE)
+
+    @fastapi_app.get("/dashboard/data", include_in_schema=False)
+    async def dashboard_data(self) -> Response:
+        return JSONResponse(self.dashboard.data())
 
     async def _fresh_worker_snapshots(self) -> list[dict]:
         """One snapshot from every live worker replica the stats poller knows (each call names its
@@ -279,7 +313,7 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         reject) is a 429."""
         self.placer.start()
         request = PlacementRequest(len(prompt_ids), p.params.max_tokens, p.ttft_slo_s, p.tpot_slo_s, p.priority)
-        result = await self.placer.place(request, prompt_ids)
+        result = await self.queue.place(lambda: self.placer.place(request, prompt_ids))
         if isinstance(result, Rejection):
             retry = max(1, round(result.retry_after_s))
             raise APIError(429, f"no replica can serve this request within its SLOs ({result.reason}); retry later",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 API_KEYS_ENV = "PDSERVE_API_KEYS"
 API_KEYS_FILE_ENV = "PDSERVE_API_KEYS_FILE"
@@ -52,6 +52,35 @@ class RouterConfig(BaseModel):
     max_migrations: int = Field(2, ge=0)
     migration_timeout_s: float = Field(10.0, ge=0)
     stream_interval_ms: float = Field(0.0, ge=0, le=10_000)
+    # what each router placed reaches the app's other routers at once, before the next stats poll:
+    # auto (over Redis when the system has one), none, or redis; at most one message per flush interval
+    redis_url: str | None = None  # the system's Redis (set by build_system), for placement sync
+    placement_sync: Literal["auto", "none", "redis"] = "auto"
+    placement_sync_flush_ms: float = Field(2.0, gt=0, le=100)
+    # a request no replica can take within its SLOs (placement.admission: reject) waits here, first in first
+    # out, up to queue_timeout_s, instead of a 429 at once; 0: no queue. Queued requests count in max_inflight
+    queue_max_requests: int = Field(0, ge=0)
+    queue_timeout_s: float = Field(2.0, gt=0, le=600)
+    # GET /dashboard: tiles judged against the SLOs above and these (rates and ratios breach at or past them)
+    dashboard_min_slo_attainment: float = Field(0.9, ge=0, le=1)
+    dashboard_max_kv_usage: float = Field(0.9, gt=0, le=1)
+    dashboard_max_error_rate: float = Field(0.01, gt=0, le=1)
+    dashboard_max_fallback_rate: float = Field(0.01, gt=0, le=1)
+    dashboard_max_waiting_per_replica: int = Field(8, ge=0)
+    dashboard_min_live_replicas: int = Field(1, ge=1)
+    dashboard_e2e_slo_s: float | None = Field(None, gt=0)  # None: TTFT SLO + TPOT SLO x (mean output tokens - 1)
+    # worker snapshots (queue depth, KV usage) older than this are refreshed in the background by a poll
+    dashboard_worker_refresh_s: float = Field(2.0, ge=0.5, le=60)
+
+    @model_validator(mode="after")
+    def _queue_can_fill(self) -> RouterConfig:
+        if self.queue_max_requests and self.placement.get("admission") == "queue":
+            raise ValueError("queue_max_requests: placement.admission 'queue' never refuses a request, so none "
+                             "would wait in the router's queue; set admission 'reject' or queue_max_requests 0")
+        if self.queue_max_requests >= self.max_inflight:
+            raise ValueError(f"queue_max_requests ({self.queue_max_requests}) must be below max_inflight "
+                             f"({self.max_inflight}): queued requests count as in flight")
+        return self
 
     @property
     def stream_interval_s(self) -> float | None:

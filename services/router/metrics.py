@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class APIMetrics:
@@ -33,6 +33,16 @@ class APIMetrics:
         0 for a role that has none (an alert can fire on it; an absent series could not)."""
         registry.register(LiveReplicasCollector(live, roles))
 
+    def watch_queue(self, registry: CollectorRegistry, queue) -> None:
+        """`pdserve_router_queued_requests` and `pdserve_router_queue_outcomes_total{outcome}` from the
+        router's PlacementQueue at every scrape."""
+        registry.register(QueueCollector(queue))
+
+    def watch_sync(self, registry: CollectorRegistry, sync) -> None:
+        """`pdserve_router_placement_sync_messages_total{direction}` (sent, received, dropped) from the
+        router's PlacementSync at every scrape."""
+        registry.register(SyncCollector(sync))
+
     def count_migration(self, reason: str) -> None:
         self.migrations.labels(reason).inc()
 
@@ -56,6 +66,42 @@ class LiveReplicasCollector:
                                    "Replicas per role that the router's stats poller sees alive", labels=["role"])
         for role in self._roles:
             family.add_metric([role], self._live(role))
+        yield family
+
+    def describe(self) -> list:
+        return []
+
+
+class QueueCollector:
+    def __init__(self, queue) -> None:
+        self._queue = queue
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        q = self._queue
+        yield GaugeMetricFamily("pdserve_router_queued_requests",
+                                "Requests waiting in the router's queue for a replica within their SLOs", value=len(q))
+        outcomes = CounterMetricFamily("pdserve_router_queue_outcomes",
+                                       "Requests that entered the router's queue (queued), or were refused by "
+                                       "it (full, timed_out)", labels=["outcome"])
+        for outcome, n in (("queued", q.num_queued), ("full", q.num_full), ("timed_out", q.num_timed_out)):
+            outcomes.add_metric([outcome], n)
+        yield outcomes
+
+    def describe(self) -> list:
+        return []
+
+
+class SyncCollector:
+    def __init__(self, sync) -> None:
+        self._sync = sync
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("pdserve_router_placement_sync_messages",
+                                     f"Placement sync messages ({self._sync.name}): sent to the other routers, "
+                                     "received from them, dropped (publish failed or malformed)", labels=["direction"])
+        for direction, n in (("sent", self._sync.num_sent), ("received", self._sync.num_received),
+                             ("dropped", self._sync.num_dropped)):
+            family.add_metric([direction], n)
         yield family
 
     def describe(self) -> list:

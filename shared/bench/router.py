@@ -11,6 +11,9 @@ engine that served it (`step_ms_p50`: the direct engine, or the app's decode rep
 spends beyond it (`between_steps_ms`), so a routed token's extra cost shows as slower steps or as
 more time between them. After each app's load, `idle_replica_cpu_pct` is what its replicas burn for
 5 s with nothing in flight (the router's stats polls and the workers' answers, transport threads).
+With `--poll-dashboard HZ`, every routed app's /dashboard/data is fetched HZ times a second throughout
+(`dashboard_polls`: how many, and what one took), so the figures can be set beside a run without, and
+each app's quiet interval is measured again while polled (`idle_replica_cpu_pct_dashboard_polled`).
 """
 
 from __future__ import annotations
@@ -37,16 +40,61 @@ SERVICES = {"system": "pdserve.services.app:build_system", "worker": "pdserve.se
 PATHS = ("disaggregated", "colocated")
 TRACED = "disaggregated_traced"
 IDLE, IDLE_SECONDS = "idle_replica_cpu_pct", 5.0
+DASHBOARD, POLLED_IDLE = "dashboard_polls", "idle_replica_cpu_pct_dashboard_polled"
 
 
 def _log(message: str) -> None:
     print(f"[bench router] {message}", file=sys.stderr, flush=True)
 
 
+async def poll_dashboards(urls: list[str], hz: float, stop: asyncio.Event) -> dict[str, Any] | None:
+    """GET {url}/dashboard/data of every url, `hz` rounds a second, until `stop`: the answers, the failures
+    and what one took (ms). None when hz is 0."""
+    if hz <= 0:
+        return None
+    import httpx
+    import numpy as np
+
+    took: list[float] = []
+    failed = 0
+
+    async def one(client: httpx.AsyncClient, url: str) -> None:
+        nonlocal failed
+        start = time.perf_counter()
+        try:
+            (await client.get(f"{url}/dashboard/data")).raise_for_status()
+        except httpx.HTTPError:
+            failed += 1
+            return
+        took.append(time.perf_counter() - start)
+
+    async with httpx.AsyncClient(timeout=10) as client:
+        while not stop.is_set():
+            next_round = time.perf_counter() + 1 / hz
+            await asyncio.gather(*(one(client, url) for url in urls))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, next_round - time.perf_counter()))
+    ms = np.array(took or [float("nan")]) * 1e3
+    return {"hz": hz, "polls": len(took), "failed": failed, "ms_p50": round(float(np.percentile(ms, 50)), 3),
+            "ms_p99": round(float(np.percentile(ms, 99)), 3)}
+
+
+async def _polled_idle(urls: dict[str, str], hz: float) -> dict[str, dict[str, float]]:
+    """Each app's quiet interval again with its dashboard polled: what polling alone burns, per replica."""
+    out = {}
+    for name, url in urls.items():
+        stop = asyncio.Event()
+        polls = asyncio.create_task(poll_dashboards([url], hz, stop))
+        out[name] = await asyncio.to_thread(idle_cpu_pct, name, IDLE_SECONDS)
+        stop.set()
+        await polls
+    return out
+
+
 def _routed(
     prompts, concurrencies, num_requests, max_tokens, env: dict[str, str], tracing=None,
     streaming: dict[str, Any] | None = None, ingress: str = "direct", grpc_handles: bool = True,
-    worker_niceness: int = 0, isolated: bool = False, model: str = "tiny",
+    worker_niceness: int = 0, isolated: bool = False, model: str = "tiny", poll_dashboard_hz: float = 0.0,
 ) -> dict[str, dict[str, Any]]:
     import httpx
     import ray
@@ -90,8 +138,10 @@ def _routed(
 
             steps = StepTimes()
 
-            async def run(group=group) -> list[dict[str, Any]]:
+            async def run(group=group, urls=urls) -> list[dict[str, Any]]:
                 engine = AsyncLLMEngine.from_config(worker_config(model=model, num_cpus=1).engine_config())
+                stop = asyncio.Event()
+                polls = asyncio.create_task(poll_dashboards(list(urls.values()), poll_dashboard_hz, stop))
                 try:
                     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
                         ones = [steps.wrap("direct", direct_one(engine, max_tokens), engine_steps(engine))] + [
@@ -104,6 +154,8 @@ def _routed(
                         return await levels(alternating(ones), prompts, concurrencies, num_requests, len(ones),
                                              steps)
                 finally:
+                    stop.set()
+                    results.setdefault(DASHBOARD, {})[group[0][0]] = await polls
                     await engine.close()
 
             direct, *routed = asyncio.run(run())
@@ -116,6 +168,8 @@ def _routed(
             time.sleep(1.0)  # the last streams' ends settle; the router's poller keeps running
             for name, _, _ in group:
                 results.setdefault(IDLE, {})[name] = idle_cpu_pct(name, IDLE_SECONDS)
+            if poll_dashboard_hz:
+                results.setdefault(POLLED_IDLE, {}).update(asyncio.run(_polled_idle(urls, poll_dashboard_hz)))
             for name, _, _ in group:
                 serve.delete(name)
         return results
@@ -128,7 +182,7 @@ def run(
     num_requests: int = 64, concurrencies: tuple[int, ...] = (1, 16), prompt_tokens: int = 16,
     max_tokens: int = 64, seed: int = 0, env: dict[str, str] | None = None, tracing: bool = False,
     streaming: dict[str, Any] | None = None, ingress: str = "direct", grpc_handles: bool = True,
-    worker_niceness: int = 0, isolated: bool = False, model: str = "tiny",
+    worker_niceness: int = 0, isolated: bool = False, model: str = "tiny", poll_dashboard_hz: float = 0.0,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(0, 256) for _ in range(prompt_tokens)] for _ in range(16)]
@@ -138,7 +192,7 @@ def run(
     try:
         routed = _routed(prompts, list(concurrencies), num_requests, max_tokens, env or {},
                          (lambda: start_sink(sink)) if tracing else None, streaming, ingress, grpc_handles,
-                         worker_niceness, isolated, model)
+                         worker_niceness, isolated, model, poll_dashboard_hz)
     except BaseException:
         if sink:
             sink[0].stop(grace=None)
@@ -148,10 +202,14 @@ def run(
         "bench": "router", "model": model, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "prompt_tokens": prompt_tokens, "output_tokens": max_tokens, "env": env or {},
         "streaming": streaming or {}, "ingress": ingress, "grpc_handles": grpc_handles,
-        "worker_niceness": worker_niceness, "isolated": isolated,
+        "worker_niceness": worker_niceness, "isolated": isolated, "poll_dashboard_hz": poll_dashboard_hz,
     }
     # each app's replicas with nothing in flight, after its load (stats polls, transport threads): % of one core
     result[IDLE] = routed.pop(IDLE, {})
+    polled = routed.pop(DASHBOARD, {})  # by the first app of each group of apps measured together
+    if poll_dashboard_hz:
+        result[DASHBOARD] = polled
+        result[POLLED_IDLE] = routed.pop(POLLED_IDLE)
     if sink:
         result["otlp_exports_received"] = sink[2]["exports"]
         result["otlp_bytes_received"] = sink[2]["bytes"]
@@ -232,6 +290,8 @@ def main(argv: list[str]) -> int:
                    help="measure each path alone, one after another, instead of alternating requests between "
                         "them (at concurrency 16 alternating paths split the CPU, so E2E compares CPU shares)")
     p.add_argument("--model", default="tiny", help="a model name or checkpoint directory (default: tiny)")
+    p.add_argument("--poll-dashboard", type=float, default=0.0, metavar="HZ",
+                   help="fetch every routed app's /dashboard/data HZ times a second during the run (its cost)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     streaming: dict[str, Any] = {"stream_coalesce": not args.no_coalesce, "stream_interval_ms": args.stream_interval_ms,
@@ -245,6 +305,6 @@ def main(argv: list[str]) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         result = run(args.requests, tuple(int(c) for c in args.concurrency.split(",")), args.prompt_tokens,
                      args.output_tokens, args.seed, env, args.tracing, streaming, args.ingress,
-                     not args.no_grpc_handles, args.worker_niceness, args.isolated, args.model)
+                     not args.no_grpc_handles, args.worker_niceness, args.isolated, args.model, args.poll_dashboard)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -37,3 +37,26 @@ def test_builders_return_applications(monkeypatch):
     assert isinstance(build_kvstore(args), Application)
     with pytest.raises(ValueError, match="redis_url"):
         build_kvstore({"model": "tiny"})
+
+
+@pytest.mark.parametrize("values, expected", [
+    ("autoscaling-values.yaml", "redis"),  # 2 to 8 routers, the chart's own Redis: they share placements
+    ("multi-router-values.yaml", "redis"),
+    ("minimal-cpu-values.yaml", "none"),  # no Redis tier: nothing to share over (and one router)
+])
+def test_the_charts_multi_router_installs_share_placements(render, values, expected):
+    """The router of each rendered serve config gets the system's Redis, so placement_sync (auto) is on."""
+    import yaml
+
+    from pdserve.placement.sync import create_sync
+    from pdserve.services.router.config import RouterConfig
+    from pdserve.services.serve_builder import system_config as build_config
+
+    from pathlib import Path
+
+    chart = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
+    (rs,) = [d for d in render([chart / "ci" / values]) if d["kind"] == "RayService"]
+    (app,) = [a for a in yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"] if a["name"] == "pdserve"]
+    config = build_config(app["args"], {"PDSERVE_REDIS_PASSWORD": "pw"})
+    router = RouterConfig.model_validate({**config.router, "redis_url": config.redis_url})
+    assert create_sync(router.placement_sync, router.redis_url, "c", 0.002).name == expected

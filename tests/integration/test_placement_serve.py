@@ -73,3 +73,49 @@ def test_rejection_by_slo_is_a_429_with_retry_after(ray_serve):
         assert 'pdserve_rejections_total{' in text and 'reason="slo_' in text
     finally:
         ray_serve.delete("pdserve-reject")
+
+
+def test_the_router_queue_holds_then_refuses_what_no_replica_can_take(ray_serve):
+    """The same unplaceable profile with a router queue of 1: a request waits queue_timeout_s in the
+    queue (shown by pdserve_router_queued_requests) and is then a 429; one arriving meanwhile finds the
+    queue full and is a 429 at once."""
+    import concurrent.futures
+
+    from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel
+
+    slow = LatencyModel(prefill=PrefillModel(a=100.0, b=0.0, c=0.0, d=0.0),
+                        decode=DecodeModel(a=100.0, b=0.0, c=0.0), kv_bytes_per_token=1024)
+    profile = LatencyProfile(models={"default": slow}).to_dict()
+    config = SystemConfig(mode="colocated", decode={"num_cpus": 0, "num_blocks": 64},
+                          router={"num_cpus": 0, "placement": {"policy": "slo_aware"}, "profile": profile,
+                                  "queue_max_requests": 1, "queue_timeout_s": 3.0})
+    ray_serve.run(build_system(config), name="pdserve-queue", route_prefix="/pdserve-queue")
+    try:
+        url = f"http://127.0.0.1:{ray_serve.http_port}/pdserve-queue"
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+        deadline = time.monotonic() + 30
+        while httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200:
+            assert time.monotonic() < deadline, "placement never saw the replica's stats"
+            time.sleep(0.3)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            started = time.monotonic()
+            waiting = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 2.5
+            while 'pdserve_router_queued_requests 1.0' not in httpx.get(f"{url}/metrics", timeout=30).text:
+                assert time.monotonic() < deadline, "the request never showed in the router's queue"
+                time.sleep(0.1)
+            full = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert full.status_code == 429 and time.monotonic() - started < 3.0
+            assert "queue_full" in full.json()["error"]["message"]
+            timed_out = waiting.result()
+            assert timed_out.status_code == 429 and time.monotonic() - started >= 3.0
+            assert "queue_timeout" in timed_out.json()["error"]["message"]
+            assert int(timed_out.headers["retry-after"]) >= 1
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        assert 'pdserve_router_queued_requests 0.0' in text
+        # the first refusal above had waited out the queue too
+        assert 'pdserve_router_queue_outcomes_total{outcome="queued"} 2.0' in text
+        assert 'pdserve_router_queue_outcomes_total{outcome="full"} 1.0' in text
+        assert 'pdserve_router_queue_outcomes_total{outcome="timed_out"} 2.0' in text
+    finally:
+        ray_serve.delete("pdserve-queue")

@@ -8,7 +8,6 @@ import asyncio
 import time
 from collections import Counter
 
-import pytest
 
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel
 from pdserve.placement.pending import PendingPlacements

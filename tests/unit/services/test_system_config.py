@@ -52,3 +52,34 @@ def test_ucx_host_from_config_then_environment_then_loopback(monkeypatch):
     monkeypatch.setenv(UCX_HOST_ENV, "10.1.2.3")  # the chart sets the pod IP here
     assert WorkerConfig().resolved_ucx_host() == "10.1.2.3"
     assert WorkerConfig(ucx_host="192.168.0.9").resolved_ucx_host() == "192.168.0.9"
+
+
+def test_placement_sync_over_redis_needs_the_systems_redis():
+    from pdserve.services.app import config_errors
+
+    with pytest.raises(ValidationError) as err:
+        SystemConfig(router={"placement_sync": "redis"})
+    assert config_errors(err.value) == [
+        "router.placement_sync: redis needs the system's redis_url (or auto / none)"]
+    with pytest.raises(ValidationError) as err:
+        SystemConfig(router={"placement_sync": "gossip"})
+    assert config_errors(err.value)[0].startswith("router.placement_sync: Input should be 'auto', 'none' or 'redis'")
+    with pytest.raises(ValidationError) as err:
+        SystemConfig(router={"placement_sync_flush_ms": 0})
+    assert config_errors(err.value)[0].startswith("router.placement_sync_flush_ms:")
+    assert SystemConfig(redis_url="redis://127.0.0.1:6379/0", router={"placement_sync": "redis"})
+
+
+def test_a_router_queue_that_cannot_fill_is_refused_naming_the_field():
+    from pdserve.services.app import config_errors
+
+    for router, expected in [
+        ({"queue_max_requests": 8, "placement": {"admission": "queue"}}, "queue_max_requests: placement.admission"),
+        ({"queue_max_requests": 256}, "queue_max_requests (256) must be below max_inflight (256)"),
+        ({"queue_max_requests": -1}, "router.queue_max_requests:"),
+        ({"queue_timeout_s": 0}, "router.queue_timeout_s:"),
+    ]:
+        with pytest.raises(ValidationError) as err:
+            SystemConfig(router=router)
+        assert expected in config_errors(err.value)[0], config_errors(err.value)
+    assert SystemConfig(router={"queue_max_requests": 32, "queue_timeout_s": 1.5})
