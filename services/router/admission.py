@@ -11,7 +11,9 @@ from typing import Any
 
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api import tool_prompt
 from pdserve.api.contract import Priority
+from pdserve.api.tools import ToolPlan
 from pdserve.sampling_params import SamplingParams
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.errors import APIError, bad_request, from_validation_error
@@ -36,6 +38,7 @@ class Prepared:
     priority: Priority
     continuous_usage: bool = False  # usage on every stream chunk
     echo_texts: tuple[str, ...] = ()  # one per prompt when echo is on: prepended to each choice's text
+    tools: ToolPlan | None = None  # chat with tools in play: the choices' text is parsed for calls
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
@@ -156,7 +159,8 @@ def prepare(
     tpot_s = slo.tpot_ms / 1e3 if slo and slo.tpot_ms else config.slo_tpot_s
     return Prepared(chat, prompts, params, req.n, req.stream, bool(options and options.include_usage),
                     params.logprobs is not None, ttft_s, tpot_s, Priority.of(req.priority or "interactive"),
-                    continuous_usage=bool(options and options.continuous_usage_stats), echo_texts=echo_texts)
+                    continuous_usage=bool(options and options.continuous_usage_stats), echo_texts=echo_texts,
+                    tools=req.tool_plan if chat else None)
 
 
 SLO_HEADERS = {"x-slo-ttft-ms": "ttft_ms", "x-slo-tpot-ms": "tpot_ms"}
@@ -184,9 +188,9 @@ def _tokenize(
     req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer, vocab_size: int
 ) -> tuple[tuple[int, ...], ...]:
     if isinstance(req, ChatCompletionRequest):
-        messages = [m.for_template() for m in req.messages]
+        messages, extra = tool_prompt.render(req.messages, req.tools, req.tool_plan, tokenizer.chat_template)
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
         ids = tuple(tokenizer.encode(text, add_special_tokens=False))

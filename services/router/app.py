@@ -263,7 +263,7 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
             async for index, event in events:
                 choices[index].add(event)
             body = oa.response_body(meta, choices, prepared.num_prompt_tokens, self.tokenizer,
-                                    prepared.want_logprobs, prepared.n)
+                                    prepared.want_logprobs, prepared.n, prepared.tools)
             count(endpoint, "200").inc()
             return JSONResponse(body)
         except Exception as exc:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.api.contract import TokenBatch
+from pdserve.api.tool_parser import ToolEvents, parse_message
+from pdserve.api.tools import ToolPlan
 from pdserve.models.tokenizer import Tokenizer
 
 DONE = b"data: [DONE]\n\n"
@@ -158,9 +160,10 @@ def chat_logprobs(
 
 def response_body(
     meta: ResponseMeta, choices: list[Choice], num_prompt_tokens: int, tokenizer: Tokenizer, want_logprobs: bool,
-    n: int = 1,
+    n: int = 1, tools: ToolPlan | None = None,
 ) -> dict[str, Any]:
-    """`choices` in index order, `n` per prompt; `num_prompt_tokens` sums over the prompts."""
+    """`choices` in index order, `n` per prompt; `num_prompt_tokens` sums over the prompts; with `tools`, each
+    chat choice's text is parsed for tool calls."""
     out = []
     for c in choices:
         lp = None
@@ -174,8 +177,10 @@ def response_body(
                 own = completion_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs, len(echo))
                 lp = merge_logprobs(lead, own)
         if meta.chat:
-            out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": lp, "finish_reason": c.finish_reason})
+            message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+            if tools is not None:
+                message, finish = parse_message(tools, c.text, finish)
+            out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
         else:
             out.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
     return {
@@ -213,6 +218,18 @@ def choice_chunk(
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
     lp = completion_logprobs(tokenizer, token_ids, logprobs, top, text_offset) if want_logprobs and token_ids else None
     return {"index": index, "text": text, "logprobs": merge_logprobs(lead, lp), "finish_reason": finish}
+
+
+def add_tool_calls(part: dict[str, Any], events: ToolEvents, finish_reason: str | None) -> None:
+    """A chat chunk's choice with its `delta.tool_calls` (OpenAI's entries: index, then id, type and name
+    once, then argument fragments) and, at the end, the choice's finish reason ("tool_calls" after calls)."""
+    delta = part["delta"]
+    if "role" in delta and not delta.get("content"):
+        delta["content"] = None
+    if events.calls:
+        delta["tool_calls"] = events.calls
+    if part["finish_reason"] is not None:
+        part["finish_reason"] = finish_reason
 
 
 def model_list(name: str, max_model_len: int, created: int) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from pdserve.api.contract import TokenBatch
+from pdserve.api.tool_parser import ToolCallStream, ToolEvents
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.streams import batches, merged
 from pdserve.services.router import openai_api as oa
@@ -98,6 +99,18 @@ async def prepend(first: Event | None, events: AsyncIterator[Event]) -> AsyncIte
         await events.aclose()
 
 
+def tool_events(stream: ToolCallStream, event: TokenBatch) -> tuple[ToolEvents, str | None]:
+    """A token batch's content and `delta.tool_calls`, and (when it ends the choice) the finish reason."""
+    out = stream.feed(event.text)
+    if not event.finished:
+        return out, None
+    last, finish = stream.finish(event.finish_reason)
+    out.content += last.content
+    for entry in last.calls:
+        out.calls.append(entry)
+    return out, finish
+
+
 async def sse_stream(
     meta: oa.ResponseMeta, p: Prepared, events: AsyncIterator[Event], tokenizer: Tokenizer,
     interval_s: float | None = 0.0, on_write: Callable[[int], None] | None = None,
@@ -114,6 +127,7 @@ async def sse_stream(
     offsets = [0] * p.num_choices
     cached: list[int | None] = [None] * p.num_choices
     num_tokens = 0
+    tool_streams = [ToolCallStream(p.tools) for _ in range(p.num_choices)] if p.tools is not None else None
 
     def encode(index: int, event: TokenBatch) -> bytes:
         nonlocal num_tokens
@@ -128,8 +142,14 @@ async def sse_stream(
                                         event.prompt_top_logprobs, echo)
             offsets[index] = len(echo)  # the generated tokens' offsets start after the echoed prompt
             shown = echo + text
+        calls = None
+        if tool_streams is not None:  # chat with tools: the text splits into content and calls
+            calls, finish = tool_events(tool_streams[index], event)
+            shown = calls.content
         part = oa.choice_chunk(meta, index, event, tokenizer, p.want_logprobs, offsets[index],
                                not started[index], lead, shown)
+        if calls is not None:
+            oa.add_tool_calls(part, calls, finish)
         started[index] = True
         offsets[index] += len(text)
         so_far = None

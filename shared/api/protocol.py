@@ -6,6 +6,7 @@ these before anything reaches an engine, so bad input never allocates KV.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Annotated, Any, Literal
 
@@ -23,6 +24,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from pdserve.api.messages import ChatMessage
+from pdserve.api.tools import ToolChoice, ToolDefinition, ToolPlan, check_history, check_tool_choice, check_tools, \
+    plan_tools
 from pdserve.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams
 from pdserve.structured import JSON_OBJECT_SCHEMA, StructuredOutputError, check_json_schema
 
@@ -284,62 +288,38 @@ class CompletionRequest(_SamplingFields):
         return self.sampling_params(default_max_tokens, self.logprobs, self.logprobs if self.echo else None)
 
 
-class TextPart(BaseModel):
-    """One part of a message's content; only text reaches a text-only model."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] = Field(union_mode="left_to_right")
-    name: str | None = Field(None, max_length=64)
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _check_parts(cls, value):
-        if isinstance(value, list):
-            for k, part in enumerate(value):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind is not None and kind != "text":
-                    raise ValueError(f"content[{k}] has type {kind!r}: only text parts are supported by this model")
-        return value
-
-    @property
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-    def for_template(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.text}
-        if self.name is not None:
-            message["name"] = self.name
-        return message
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     logprobs: StrictBool = False
     top_logprobs: NumLogprobs | None = None
-    # accepted so that clients sending their defaults work; anything that asks for them is refused
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = Field(None, validate_default=True)  # default: auto with tools, else none
+    parallel_tool_calls: StrictBool | None = None  # default: true
+
+    @field_validator("messages")
+    @classmethod
+    def _check_history(cls, value):
+        return check_history(value)
 
     @field_validator("tools")
     @classmethod
-    def _refuse_tools(cls, value):
-        if value:
-            raise unsupported("tools", "tool calling is not implemented")
-        return value
+    def _check_tools(cls, value):
+        return check_tools(value) if value else value
 
-    @field_validator("tool_choice")
+    @field_validator("tool_choice", mode="wrap")
     @classmethod
-    def _refuse_tool_choice(cls, value):
-        if value is not None and value != "none":
-            raise unsupported("tool_choice", "tool calling is not implemented")
-        return value
+    def _check_tool_choice(cls, value, handler, info: ValidationInfo):
+        try:
+            value = handler(value)
+        except ValidationError:
+            raise PydanticCustomError("tool_choice", 'tool_choice must be "none", "auto", "required" or '
+                                      '{"type": "function", "function": {"name": ...}}') from None
+        formatted = info.data.get("response_format")
+        return check_tool_choice(info.data.get("tools"), value, formatted is not None and formatted.type != "text")
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     @model_validator(mode="after")
     def _check_top_logprobs(self):
@@ -349,4 +329,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         num = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(default_max_tokens, num)
+        params = self.sampling_params(default_max_tokens, num)
+        plan = self.tool_plan
+        if plan is not None and plan.schema is not None:  # required or named: the output is the calls' JSON
+            params = dataclasses.replace(params, json_schema=plan.schema)
+        return params

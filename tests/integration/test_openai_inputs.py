@@ -242,12 +242,11 @@ def test_unsupported_fields_are_refused_by_name(client):
         (c, "suffix", {"prompt": "x", "suffix": "tail"}),
         (c, "best_of", {"prompt": "x", "best_of": 3}),
         (c, "best_of", {"prompt": "x", "n": 2, "best_of": 4}),
-        (chat, "tools", {"messages": messages,
-                         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
-        (chat, "tool_choice", {"messages": messages, "tool_choice": "required"}),
     ]:
         err = _bad(call, param, model="tiny", max_tokens=1, **kwargs)
         assert "not supported" in err.message and err.code == "unsupported_parameter"
+    err = _bad(chat, "tool_choice", model="tiny", max_tokens=1, messages=messages, tool_choice="required")
+    assert "needs tools" in err.message  # tools themselves are supported (tests/integration/test_tool_calling.py)
     assert c(model="tiny", prompt="x", best_of=2, n=2, max_tokens=1).choices[1].index == 1
     assert chat(model="tiny", messages=messages, response_format={"type": "text"}, max_tokens=1).choices
 

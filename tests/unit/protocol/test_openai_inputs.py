@@ -64,14 +64,12 @@ def test_unsupported_completion_fields_are_named(body, param):
     assert "not supported" in err.message and err.message.startswith(param)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-])
-def test_unsupported_chat_fields_are_named(body, param):
-    err = _error(ChatCompletionRequest, {"messages": MESSAGES, **body})
-    assert err.param == param and err.code == "unsupported_parameter"
-    assert "not supported" in err.message and err.message.startswith(param)
+def test_tools_are_accepted_and_a_choice_without_them_is_named():
+    req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": [
+        {"type": "function", "function": {"name": "f"}}]})
+    assert req.tool_plan.mode == "auto" and req.tool_plan.names == ("f",)
+    err = _error(ChatCompletionRequest, {"messages": MESSAGES, "tool_choice": "auto"})
+    assert err.param == "tool_choice" and err.code == "invalid_value" and "needs tools" in err.message
 
 
 def test_echo_with_logprobs_asks_for_prompt_logprobs():
