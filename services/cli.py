@@ -95,6 +95,10 @@ def _bench(args: argparse.Namespace) -> int:
         from pdserve.bench.spec import run
 
         result = run(quick=args.quick, model=args.model, pack_weights=not args.no_pack_weights)
+    elif args.target == "structured":
+        from pdserve.bench.structured import run
+
+        result = run(quick=args.quick, seed=args.seed)
     else:
         raise SystemExit(f"unknown bench target {args.target!r}")
     print(json.dumps(result, indent=None if args.json else 2))
@@ -179,7 +183,7 @@ def _library_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
     bench.add_argument("target", choices=["engine", "kernels", "kvquant", "transfer", "router", "placement", "spec",
-                                            "linears", "attention"],
+                                            "linears", "attention", "structured"],
                        help="router, placement: flags of their own (pdserve bench router --help)")
     bench.add_argument("--transports", default=None, help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh")
     bench.add_argument("--json", action="store_true", help="one-line JSON")

@@ -6,7 +6,6 @@
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -29,9 +28,10 @@ from opentelemetry.trace import SpanKind
 from pdserve.observability import trace_attributes as ta
 from pdserve.observability.metrics import CONTENT_TYPE
 from pdserve.services.router.metrics import APIMetrics
+from pdserve.services.router.middleware import RequestIdMiddleware
 from pdserve.services.router.openapi_schema import install_openapi
 from pdserve.observability.slo import SloWindow
-from pdserve.observability.telemetry import Telemetry, replica_name
+from pdserve.observability.telemetry import Telemetry
 from pdserve.placement.policy import Placement, PlacementConfig, PlacementRequest, Rejection
 from pdserve.placement.queue import PlacementQueue
 from pdserve.placement.sync import create_sync
@@ -44,39 +44,6 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-REQUEST_ID_HEADER = "x-request-id"
-ROUTER_HEADER = "x-pdserve-router"  # the router replica that answered: which streams a lost router took with it
-
-
-class RequestIdMiddleware:
-    """Pure ASGI (streams pass through untouched): the request id is X-Request-Id or a fresh one.
-
-    The Serve proxy already honours X-Request-Id (generating one when absent, so replicas always see
-    it) and echoes it on the response; echoing here as well would send the header twice. Every response
-    names the router replica that answered (X-Pdserve-Router).
-    """
-
-    def __init__(self, app) -> None:
-        self.app = app
-        self._router: tuple[bytes, bytes] | None = None
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or ()).get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
-        request_id = given[:128] if given and given.isprintable() else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-        if self._router is None:
-            self._router = (ROUTER_HEADER.encode(), replica_name("router").encode())
-
-        async def send_with_router(message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), self._router]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_router)
-
 
 fastapi_app = FastAPI(title="pdserve router", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
 fastapi_app.add_middleware(RequestIdMiddleware)
