@@ -66,6 +66,8 @@ class DispatchMixin:
             raise
         finally:
             self._exit()
+            if outcome is None and len(finish_reasons) >= p.num_choices:
+                outcome = True  # every choice finished; the consumer closed this before it ran to its end
             total = sum(num_tokens)
             self.metrics.add_generation_tokens(total)
             if outcome is not None:

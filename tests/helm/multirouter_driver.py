@@ -34,8 +34,9 @@ _spec.loader.exec_module(multinode)
 CONCURRENCY, REQUESTS, MAX_TOKENS = 8, 64, 96
 
 
-def _stream(base: str, i: int, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    """One streamed completion over plain HTTP; what came back, and which router answered."""
+def _stream(base: str, i: int, max_tokens: int = MAX_TOKENS, progress: dict[int, int] | None = None) -> dict[str, Any]:
+    """One streamed completion over plain HTTP; what came back, and which router answered (`progress`:
+    chunks so far, by `i`, for a watcher)."""
     body = json.dumps({"model": "tiny", "prompt": f"Request {i}: the routers share what they placed. " * 2,
                        "max_tokens": max_tokens, "stream": True, "ignore_eos": True}).encode()
     request = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
@@ -53,6 +54,8 @@ def _stream(base: str, i: int, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
                         out["error"] = chunk["error"].get("message")
                     else:
                         out["chunks"] += 1
+                        if progress is not None:
+                            progress[i] = out["chunks"]
     except Exception as exc:  # a stream cut by the router's death
         out["error"] = f"{type(exc).__name__}: {exc}"
     return out
@@ -107,8 +110,13 @@ def load(base: str) -> dict[str, Any]:
 def kill_one_router(base: str, router_pids: dict[str, int]) -> dict[str, Any]:
     """Long streams on both routers; SIGKILL one router replica mid-stream; then new requests until one succeeds."""
     with ThreadPoolExecutor(CONCURRENCY) as pool:
-        futures = [pool.submit(_stream, base, 1000 + i, 400) for i in range(CONCURRENCY)]
-        time.sleep(4.0)  # every stream under way
+        progress: dict[int, int] = {}
+        futures = [pool.submit(_stream, base, i, 1500, progress) for i in range(CONCURRENCY)]
+        deadline = time.monotonic() + 60
+        while len(progress) < CONCURRENCY or min(progress.values()) < 8:  # every stream under way, none near its end
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
         victim, pid = sorted(router_pids.items())[0]
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
