@@ -38,6 +38,7 @@ def _load_beside(module: str):
 
 
 PrometheusServer = _load_beside("prometheus_server").PrometheusServer
+process_tree = _load_beside("test_make_serve")._descendants  # pid -> start time, below a root and in its session
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "pdserve"
@@ -115,27 +116,10 @@ def test_bool_comparisons_leave_matchers_alone():
 # ---- a live pdserve, its Redis, and a Prometheus scraping it
 
 
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        found.add(pid)
-        todo.extend(children.get(pid, ()))
-    return found
-
-
 def _replica_pids(root: int, deployment: str) -> list[int]:
     title = f"ray::ServeReplica:pdserve:{deployment}".encode()
     pids = []
-    for pid in _descendants(root):
+    for pid in process_tree(root):
         try:
             if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title):
                 pids.append(pid)
