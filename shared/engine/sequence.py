@@ -26,7 +26,7 @@ class OutputTokens:
     token_ids: list[int]
     num_prompt_tokens: int
     num_resumed_tokens: int
-    grammar: Matcher | None = None  # a draft row's view is never constrained (constrained rows do not draft)
+    grammar: Matcher | None = None  # a draft row's view holds its grammar's mask at that row's position
 
     @property
     def num_output_tokens(self) -> int:

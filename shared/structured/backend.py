@@ -4,7 +4,7 @@ sequence's position in that grammar. Backends register by name and import only w
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +37,18 @@ class Matcher(ABC):
     @abstractmethod
     def consume(self, token_ids: Iterable[int]) -> bool:
         """Advance over `token_ids`; False (and the matcher is in error) when one is not allowed."""
+
+    @abstractmethod
+    def validate(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar accepts from here; the matcher does not move."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` consumed (a speculative draft's walk)."""
+
+    @abstractmethod
+    def forced_tokens(self) -> list[int]:
+        """A tokenization of the text the grammar forces next (possibly empty): a draft that always validates."""
 
     @abstractmethod
     def fill_bitmask(self, row: np.ndarray) -> None:

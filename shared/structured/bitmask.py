@@ -35,3 +35,48 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: Sequence) -> torch.Tensor:
     """`logits` [N, V] with each constrained row (a sequence whose `grammar` is set) masked to what its
     grammar allows next; unconstrained rows keep their values."""
     return apply_bitmask(logits, fill_bitmask([seq.grammar for seq in seqs], logits.shape[1]))
+
+
+def draft_bitmask(matcher: Matcher, draft: Sequence[int], vocab_size: int) -> np.ndarray:
+    """int32 [len(draft) + 1, ceil(vocab_size / 32)]: row i holds what the grammar allows after draft[:i]. The
+    matcher walks the draft (which it must accept: the drafter trimmed it) and is rolled back to where it was."""
+    rows = np.empty((len(draft) + 1, words_for(vocab_size)), dtype=np.int32)
+    for i in range(len(draft) + 1):
+        matcher.fill_bitmask(rows[i])
+        if i < len(draft) and not matcher.consume((draft[i],)):
+            matcher.rollback(i)
+            raise RuntimeError(f"draft token {draft[i]} breaks the grammar it was validated against")
+    matcher.rollback(len(draft))
+    return rows
+
+
+class MaskSnapshot(Matcher):
+    """What a matcher allowed at one point, for a verification row: it only fills its mask."""
+
+    __slots__ = ("row",)
+
+    def __init__(self, row: np.ndarray) -> None:
+        self.row = row
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        row[:] = self.row
+
+    def consume(self, token_ids) -> bool:
+        raise TypeError("a mask snapshot does not advance")
+
+    def validate(self, token_ids) -> int:
+        raise TypeError("a mask snapshot does not advance")
+
+    def rollback(self, num_tokens: int) -> None:
+        raise TypeError("a mask snapshot does not advance")
+
+    def forced_tokens(self) -> list[int]:
+        return []
+
+    @property
+    def is_finished(self) -> bool:
+        return False
+
+    @property
+    def error(self) -> str | None:
+        return None

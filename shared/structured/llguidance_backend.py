@@ -6,7 +6,7 @@ ignore it, and builds each mask lazily from a token trie shared by every copy of
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import llguidance
 import numpy as np
@@ -54,6 +54,16 @@ class LLGuidanceMatcher(Matcher):
 
     def consume(self, token_ids: Iterable[int]) -> bool:
         return all(self._matcher.consume_token(t) for t in token_ids)
+
+    def validate(self, token_ids: Sequence[int]) -> int:
+        return self._matcher.validate_tokens(list(token_ids))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise RuntimeError(f"grammar rollback of {num_tokens} tokens failed: {self._matcher.get_error()}")
+
+    def forced_tokens(self) -> list[int]:
+        return self._matcher.compute_ff_tokens()
 
     def fill_bitmask(self, row: np.ndarray) -> None:
         # the buffer must be exactly the mask's size (llguidance checks it) and contiguous

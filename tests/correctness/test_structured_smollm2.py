@@ -89,3 +89,40 @@ def test_outputs_validate_greedy_and_sampled_with_an_unconstrained_request_uncha
     # the grammar rows changed nothing for the unconstrained request: the same tokens as alone
     assert _generate(engine, [GenerationRequest("alone", prompt, free)])["alone"][0] == out["free"][0]
     assert not out["free"][1].startswith("{")  # unconstrained, the model answers in prose here
+
+
+CHAT_PROMPTS = (
+    "Describe a fictional person as JSON: name, age, role, address and tags.",
+    "Make up an admin user who lives in Paris. Answer in JSON.",
+    "Give me a JSON record for a guest named Ana, 31, tagged travel and food.",
+    "Invent a user profile for a developer in Berlin as JSON.",
+)
+
+
+def test_speculative_decoding_gives_the_same_guided_output_as_decoding_without_it(engine):
+    """Greedy, with the schema: n-gram and grammar-forced drafts, each verification row masked by the grammar
+    after its draft prefix and the matcher rolled back, give the tokens decoding without drafts gives."""
+    from pdserve.config import SpeculativeConfig
+
+    spec = LLMEngine(EngineConfig(model=DEFAULT_MODEL, device="cpu", dtype="float32",
+                                  scheduler=SchedulerConfig(max_model_len=1024),
+                                  speculative=SpeculativeConfig(num_speculative_tokens=4)))
+    schema = canonical_schema(SCHEMA)
+    requests = [GenerationRequest(f"p{k}", _prompt(engine, text), SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, json_schema=schema)) for k, text in enumerate(CHAT_PROMPTS)]
+    expected = _generate(engine, requests)
+    drafted = accepted = 0
+    for request in requests:
+        spec.add_request(request)
+    got: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    while spec.has_unfinished():
+        for delta in spec.step():
+            got[delta.request_id].extend(delta.token_ids)
+            if delta.finished:
+                drafted += delta.num_draft_tokens
+                accepted += delta.num_accepted_tokens
+    for request in requests:
+        assert got[request.request_id] == expected[request.request_id][0], request.request_id
+        jsonschema.validate(json.loads(expected[request.request_id][1]), SCHEMA)
+    assert drafted > 0 and accepted > 0
+    print(f"guided drafts: {accepted}/{drafted} accepted over {sum(map(len, got.values()))} tokens")

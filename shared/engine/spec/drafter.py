@@ -38,10 +38,15 @@ class Drafter:
             seq.params.max_tokens - seq.num_output_tokens - 1,  # the bonus token is the last one allowed
             self.max_model_len - len(seq),
         )
-        # a constrained sequence does not draft: drafts are not checked against its grammar yet
-        if limit <= 0 or seq.prefill_only or seq.grammar is not None:
+        if limit <= 0 or seq.prefill_only:
             return []
-        return self.proposer.propose(seq.token_ids, limit)
+        draft = self.proposer.propose(seq.token_ids, limit)
+        if seq.grammar is None:
+            return draft
+        # a constrained draft is cut where its grammar would refuse it; text the grammar forces drafts too
+        draft = draft[: seq.grammar.validate(draft)]
+        forced = seq.grammar.forced_tokens()[:limit]
+        return forced if len(forced) > len(draft) else draft
 
     def observe(self, seq: Sequence, num_draft_tokens: int, num_accepted: int) -> None:
         """Adapt the sequence's draft cap to how its last verification went."""

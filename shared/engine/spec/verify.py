@@ -16,20 +16,24 @@ import torch
 from pdserve.engine.model_runner import VerifyRows
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sequence import OutputTokens, Sequence
+from pdserve.structured import Matcher
+from pdserve.structured.bitmask import MaskSnapshot, draft_bitmask
 
 
 class DraftView(OutputTokens):
     """A sequence as if `extra` tokens had been appended: what the sampler sees for a draft row."""
 
-    __slots__ = ("params", "token_ids", "num_prompt_tokens", "num_resumed_tokens", "eos_token_ids", "generator")
+    __slots__ = ("params", "token_ids", "num_prompt_tokens", "num_resumed_tokens", "eos_token_ids", "generator",
+                 "grammar")
 
-    def __init__(self, seq: Sequence, extra: list[int]) -> None:
+    def __init__(self, seq: Sequence, extra: list[int], grammar: Matcher | None = None) -> None:
         self.params = seq.params
         self.token_ids = seq.token_ids + extra
         self.num_prompt_tokens = seq.num_prompt_tokens
         self.num_resumed_tokens = seq.num_resumed_tokens
         self.eos_token_ids = seq.eos_token_ids
         self.generator = seq.generator
+        self.grammar = grammar  # a constrained row's mask after `extra`
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class Verified:
 
 
 def verify(sampler: Sampler, rows: list[VerifyRows]) -> list[Verified]:
-    views = [DraftView(r.seq, r.draft[:i]) for r in rows for i in range(len(r.draft) + 1)]
+    views = [view for r in rows for view in _views(r)]
     # logits: [sum(len(draft) + 1), V]
     raw, processed = sampler.process(torch.cat([r.logits for r in rows]), views)
     greedy = processed.argmax(dim=-1).tolist()
@@ -70,6 +74,14 @@ def verify(sampler: Sampler, rows: list[VerifyRows]) -> list[Verified]:
         out.append(Verified(r.seq, tokens, logprobs, tops, len(r.draft)))
         offset += n
     return out
+
+
+def _views(row: VerifyRows) -> list[DraftView]:
+    """One view per verification row; a constrained row's view carries the grammar's mask at its position."""
+    if row.seq.grammar is None:
+        return [DraftView(row.seq, row.draft[:i]) for i in range(len(row.draft) + 1)]
+    masks = draft_bitmask(row.seq.grammar, row.draft, row.logits.shape[-1])
+    return [DraftView(row.seq, row.draft[:i], MaskSnapshot(masks[i])) for i in range(len(row.draft) + 1)]
 
 
 def _accept_greedy(draft: list[int], targets: list[int]) -> list[int]:

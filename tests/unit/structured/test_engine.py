@@ -1,6 +1,6 @@
 """response_format through the engine on the tiny model (random weights, so the schemas here have finite
 languages): masks applied in the batched sampler, termination, max_tokens, the prefill -> decode handoff
-and a resumed stream replaying the grammar, speculative decoding skipping constrained rows, and
+and a resumed stream replaying the grammar, speculative drafts checked against the grammar, and
 unconstrained rows untouched."""
 
 from __future__ import annotations
@@ -170,16 +170,29 @@ def test_output_that_breaks_the_schema_cannot_be_resumed(engine):
     assert not engine.requests and engine.scheduler.num_waiting == 0
 
 
-def test_constrained_rows_are_not_drafted(tiny_dir):
-    """No drafts for a constrained sequence (they are not checked against grammars yet): its output is
-    token for token what decoding without speculation gives, beside an unconstrained one that drafts."""
+def test_constrained_drafts_follow_the_grammar_and_match_decoding_without_drafts(tiny_dir):
+    """Constrained rows draft (grammar-trimmed n-grams, else the text the grammar forces); each verification
+    row is masked by the grammar after its draft prefix, and the matcher is rolled back before the accepted
+    tokens are consumed: greedy output is token for token what decoding without speculation gives, beside an
+    unconstrained row that drafts, and sampled output still validates."""
     spec = make_engine(tiny_dir, speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
                                                                 prompt_lookup_max=2))
     plain = make_engine(tiny_dir)
     copying = GenerationRequest("copy", (5, 6, 7) * 12, SamplingParams(max_tokens=24, temperature=0.0,
                                                                        ignore_eos=True))
-    constrained = GenerationRequest("json", prompt_of(40), params())
-    expected = run(plain, copying, constrained)
-    got = run(spec, copying, constrained)
-    assert tokens(got["json"]) == tokens(expected["json"])
-    assert got["json"][-1].num_draft_tokens == 0 and got["copy"][-1].num_draft_tokens > 0
+    constrained = [GenerationRequest(f"json{k}", prompt_of(40 + k), params()) for k in range(3)]
+    expected = run(plain, copying, *constrained)
+    got = run(spec, copying, *constrained)
+    for request in constrained:
+        stream = got[request.request_id]
+        assert tokens(stream) == tokens(expected[request.request_id])
+        assert stream[-1].num_draft_tokens > 0 and stream[-1].num_accepted_tokens > 0
+        jsonschema.validate(json.loads(text(stream)), SCHEMA)
+    assert got["copy"][-1].num_draft_tokens > 0
+    sampled = [GenerationRequest(f"s{k}", prompt_of(50 + k), params(temperature=1.0, seed=k)) for k in range(6)]
+    for stream in run(spec, *sampled).values():
+        jsonschema.validate(json.loads(text(stream)), SCHEMA)
+        assert stream[-1].finish_reason == "stop"
+    assert not spec.requests and spec.block_manager.num_free_blocks == spec.block_manager.num_blocks
+
+
