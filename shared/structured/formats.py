@@ -44,6 +44,29 @@ def _check(text: str, backend: str) -> str | None:
     return None
 
 
+_VALUE_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # their values are data, not schemas
+
+
+def bound_fraction_digits(schema: str, digits: int | None) -> str:
+    """`schema` (canonical text) with `multipleOf: 10^-digits` on every number schema that has no multipleOf:
+    the values it admits are a subset of the original's, each with at most `digits` fraction digits."""
+    if digits is None or '"number"' not in schema:
+        return schema
+    value = json.loads(schema)
+    step = float(f"1e-{digits}")
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            kind = item.get("type")
+            if (kind == "number" or isinstance(kind, list) and "number" in kind) and "multipleOf" not in item:
+                item["multipleOf"] = step
+            stack.extend(v for k, v in item.items() if k not in _VALUE_KEYWORDS)
+    return canonical_schema(value)
+
+
 def _depth(value: Any) -> int:
     """JSON nesting levels of a parsed value (iterative: a deep value must not exhaust Python's stack)."""
     deepest, stack = 0, [(value, 1)]

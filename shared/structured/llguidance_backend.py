@@ -14,6 +14,7 @@ import numpy as np
 from pdserve.structured.backend import Grammar, GrammarBackend, Matcher, StructuredOutputError, Vocabulary, \
     clear_from
 from pdserve.structured.config import StructuredConfig
+from pdserve.structured.formats import bound_fraction_digits
 
 _QUIET = 0  # llguidance log level: errors are read back with get_error(), not printed
 
@@ -97,7 +98,8 @@ class LLGuidanceBackend(GrammarBackend):
 
     def compile(self, schema: str) -> Grammar:
         template = _guarded(llguidance.LLMatcher, self._tokenizer,
-                            _grammar_text(schema, self.config.max_whitespace), log_level=_QUIET)
+                            _grammar_text(bound_fraction_digits(schema, self.config.max_fraction_digits),
+                                          self.config.max_whitespace), log_level=_QUIET)
         if template.is_error():
             raise StructuredOutputError(template.get_error())
         return LLGuidanceGrammar(template, min(self.vocab.num_tokens, self.vocab.vocab_size))

@@ -105,3 +105,56 @@ def test_streams_on_a_killed_decode_replica_move_and_continue_exactly(url, repli
     while len(replica_pids(APP, "decode")) < 2:
         assert time.monotonic() < deadline, "Serve did not restart the decode replica"
         time.sleep(1)
+
+
+GUIDED_SCHEMA = {"type": "object", "properties": {
+    "steps": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 12, "maxItems": 12},
+    "done": {"type": "boolean"}}, "required": ["steps", "done"], "additionalProperties": False}
+GUIDED_MAX_TOKENS = 200  # above the longest value the schema allows, in the tiny model's byte tokens
+
+
+def _guided_body(i: int) -> dict:
+    return {"model": "tiny", "prompt": f"{i}. {PROMPT}", "max_tokens": GUIDED_MAX_TOKENS, "temperature": 1.0,
+            "seed": 2000 + i, "stream": True, "stream_options": {"include_usage": True},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "steps", "schema": GUIDED_SCHEMA}}}
+
+
+async def _guided_stream(client: httpx.AsyncClient, url: str, i: int, progress: list[int]) -> list[dict]:
+    raw = b""
+    async with client.stream("POST", f"{url}/v1/completions", json=_guided_body(i)) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for part in resp.aiter_bytes():
+            raw += part
+            progress[i] += part.count(b'"text"')
+    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e.strip()]
+    assert events[-1] == b"[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_guided_streams_on_a_killed_decode_replica_migrate_and_still_validate(url, replica_pids):
+    """response_format json_schema, sampled and seeded: the new decode replica rebuilds the grammar state from
+    the tokens already sent, so the migrated output is the no-fault output, and it validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    deadline = time.monotonic() + 120
+    while len(replica_pids(APP, "decode")) < 2:  # the test above killed one
+        assert time.monotonic() < deadline, "Serve did not restart the decode replica"
+        time.sleep(1)
+
+    async def run(kill: bool) -> list[list[dict]]:
+        progress = [0] * NUM_REQUESTS
+        async with httpx.AsyncClient(timeout=180) as client:
+            tasks = [asyncio.create_task(_guided_stream(client, url, i, progress)) for i in range(NUM_REQUESTS)]
+            if kill:
+                while min(progress) < 8 and not all(t.done() for t in tasks):  # every stream is decoding
+                    await asyncio.sleep(0.005)
+                os.kill(replica_pids(APP, "decode")[0], signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    baseline = [_outcome(events) for events in asyncio.run(run(kill=False))]
+    for text, finish, _ in baseline:
+        assert finish == ["stop"]
+        jsonschema.validate(json.loads(text), GUIDED_SCHEMA)
+    before = _counter(url, "pdserve_migrations_total")
+    migrated = [_outcome(events) for events in asyncio.run(run(kill=True))]
+    assert migrated == baseline  # the grammar state resumed: same text, one finish, every token counted once
+    assert _counter(url, "pdserve_migrations_total") - before >= 1

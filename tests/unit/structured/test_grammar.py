@@ -184,3 +184,45 @@ def test_whitespace_is_bounded(tiny_vocab):
     matcher.consume(list(b"{  "))
     allowed = set(mask(matcher, tiny_vocab).tolist())
     assert ord('"') in allowed and not allowed & {ord(" "), ord("\n"), ord("\t")}
+
+
+def test_number_fraction_digits_are_bounded_where_the_schema_has_no_multiple_of(tiny_vocab):
+    """A number schema without multipleOf admits at most max_fraction_digits fraction digits (a subset of what
+    it allows), so a sampled number cannot run to max_tokens; multipleOf, const and enum values are untouched."""
+    from pdserve.structured.formats import bound_fraction_digits
+
+    schema = canonical_schema({"type": "object", "properties": {
+        "x": {"type": "number", "minimum": -10}, "y": {"type": ["number", "null"]},
+        "z": {"type": "number", "multipleOf": 0.5}, "k": {"const": {"type": "number"}}}})
+    bounded = json.loads(bound_fraction_digits(schema, 3))
+    assert bounded["properties"]["x"]["multipleOf"] == 0.001 and bounded["properties"]["y"]["multipleOf"] == 0.001
+    assert bounded["properties"]["z"]["multipleOf"] == 0.5 and bounded["properties"]["k"] == {"const": {"type": "number"}}
+    assert bound_fraction_digits(schema, None) == schema
+    number = canonical_schema({"type": "number"})
+    for digits, text, accepted in [(3, "1.25", True), (3, "-0.125", True), (3, "0.1255", False),
+                                   (None, "0.1255", True), (0, "12", True), (0, "1.5", False)]:
+        matcher = compiler(tiny_vocab, max_fraction_digits=digits).matcher(number)
+        ids = list(text.encode())  # the tiny model's tokens are bytes
+        assert (matcher.validate(ids) == len(ids)) == accepted, (digits, text)
+    with pytest.raises(ValueError, match="max_fraction_digits"):
+        StructuredConfig(max_fraction_digits=17)
+
+
+def test_draft_masks_walk_the_grammar_and_roll_it_back(smollm2_tokenizer, smollm2_vocab):
+    """draft_bitmask's row i is the mask after draft[:i]; the matcher ends where it began, forced text is a
+    draft the grammar accepts, and a draft is cut where the grammar refuses it."""
+    from pdserve.structured.bitmask import draft_bitmask
+
+    matcher = compiler(smollm2_vocab).matcher(canonical_schema(PERSON))
+    forced = matcher.forced_tokens()
+    assert forced and smollm2_tokenizer.decode(forced).startswith('{"name')
+    text = encode(smollm2_tokenizer, json.dumps(INSTANCE))
+    assert matcher.validate(text) == len(text) and matcher.validate(text[:5] + [0]) == 5
+    rows = draft_bitmask(matcher, text[:5], smollm2_vocab.vocab_size)
+    walker = compiler(smollm2_vocab).matcher(canonical_schema(PERSON))
+    for i in range(6):
+        assert np.array_equal(allowed_ids(rows[i], smollm2_vocab.vocab_size), mask(walker, smollm2_vocab))
+        if i < 5:
+            assert walker.consume(text[i : i + 1])
+    assert np.array_equal(mask(matcher, smollm2_vocab), allowed_ids(rows[0], smollm2_vocab.vocab_size))
+    assert matcher.consume(text) and matcher.is_finished
