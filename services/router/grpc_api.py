@@ -10,6 +10,7 @@ exception raised, which is how Serve carries a user status through the proxy.
 # whose other methods FastAPI reads; keep every annotation a real object.
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,7 +19,8 @@ import grpc
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.errors import APIError, bad_request
 from pdserve.api.contract import TokenBatch
-from pdserve.services.router.streaming import singles, by_choice, upstream_error
+from pdserve.api.tool_parser import ToolCallStream, ToolEvents
+from pdserve.services.router.streaming import singles, by_choice, tool_events, upstream_error
 from pdserve.streams import batches
 from pdserve.v1 import generate_pb2 as pb
 
@@ -55,10 +57,7 @@ def request_body(request: pb.GenerateRequest) -> tuple[dict[str, Any], bool]:
     elif kind == "token_ids":
         body["prompt"] = list(request.token_ids.ids)
     else:
-        body["messages"] = [
-            {"role": m.role, "content": m.content, **({"name": m.name} if m.HasField("name") else {})}
-            for m in request.messages.messages
-        ]
+        body["messages"] = [_message(m) for m in request.messages.messages]
     for name in ("max_tokens", "temperature", "top_p", "n", "seed", "repetition_penalty", "user"):
         if request.HasField(name):
             body[name] = getattr(request, name)
@@ -79,16 +78,70 @@ def request_body(request: pb.GenerateRequest) -> tuple[dict[str, Any], bool]:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     if request.include_usage:
         body["stream_options"] = {"include_usage": True}
+    _structured_fields(request, body)
     return body, chat
 
 
+def _json_field(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise bad_request(f"{param} is not valid JSON text: {exc}", param=param) from None
+
+
+def _message(m: pb.ChatMessage) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.HasField("name"):
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+        message["content"] = m.content or None  # proto3 cannot say null: a call-only message has no content
+    if m.HasField("tool_call_id"):
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _structured_fields(request: pb.GenerateRequest, body: dict[str, Any]) -> None:
+    """response_format, tools, tool_choice and parallel_tool_calls, as the HTTP body states them (the HTTP
+    API's validation then applies, and names the same fields)."""
+    if request.HasField("response_format"):
+        fmt = request.response_format
+        body["response_format"] = {"type": fmt.type}
+        if fmt.json_schema:
+            schema = _json_field(fmt.json_schema, "response_format.json_schema")
+            body["response_format"]["json_schema"] = {
+                "name": fmt.name or "response", "schema": schema, **({"strict": fmt.strict} if fmt.HasField("strict") else {})}
+    if request.tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": f.name, **({"description": f.description} if f.description else {}),
+            **({"parameters": _json_field(f.parameters, f"tools[{k}].parameters")} if f.parameters else {}),
+            **({"strict": f.strict} if f.HasField("strict") else {})}} for k, f in enumerate(request.tools)]
+    if request.tool_choice and request.tool_choice_function:
+        raise bad_request("set tool_choice or tool_choice_function, not both", param="tool_choice")
+    if request.tool_choice:
+        body["tool_choice"] = request.tool_choice
+    elif request.tool_choice_function:
+        body["tool_choice"] = {"type": "function", "function": {"name": request.tool_choice_function}}
+    if request.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = request.parallel_tool_calls
+
+
 def response_chunk(
-    meta: oa.ResponseMeta, index: int, event: TokenBatch, want_logprobs: bool
+    meta: oa.ResponseMeta, index: int, event: TokenBatch, want_logprobs: bool,
+    tools: ToolCallStream | None = None,
 ) -> pb.GenerateResponse:
+    """`tools`: the choice's tool-call parser (chat with tools): the text splits into content and calls."""
     token_ids = list(event.token_ids)
     chunk = pb.GenerateResponse(id=meta.id, model=meta.model, index=index, text=event.text, token_ids=token_ids)
     if event.finished:
         chunk.finish_reason = event.finish_reason or ""
+    if tools is not None:
+        calls, finish = tool_events(tools, event)
+        chunk.text = calls.content
+        chunk.tool_calls.extend(_call_deltas(calls))
+        if event.finished:
+            chunk.finish_reason = finish or ""
     logprobs = list(event.logprobs or ())
     if want_logprobs and token_ids and len(logprobs) == len(token_ids):
         top = list(event.top_logprobs or ())
@@ -97,6 +150,11 @@ def response_chunk(
             top_k = [pb.TopLogprob(token_id=i, logprob=p) for i, p in alternatives]
             chunk.logprobs.add(logprob=lp, top=top_k)
     return chunk
+
+
+def _call_deltas(events: ToolEvents) -> list[pb.ToolCallDelta]:
+    return [pb.ToolCallDelta(index=c["index"], id=c.get("id", ""), name=c["function"].get("name", ""),
+                             arguments=c["function"]["arguments"]) for c in events.calls]
 
 
 def _metadata(grpc_context, key: str) -> str:
@@ -135,6 +193,8 @@ class GrpcServiceMixin:
             err = upstream_error(exc, self.config.retry_after_s)
             raise self._grpc_reject(err, "grpc_generate", grpc_context, request_id) from None
         num_tokens = 0
+        tools = ([ToolCallStream(prepared.tools) for _ in range(prepared.num_choices)]
+                 if prepared.tools is not None else None)
         status = "200"  # counted when the stream ends: a failure after the first message has a label of its own
         # one message per choice per batch: whatever arrived while the previous message was on its way
         source = batches(events, self.config.stream_interval_s) if self.config.stream_interval_s is not None else None
@@ -144,7 +204,8 @@ class GrpcServiceMixin:
                     batch = by_choice(batch)
                 for index, event in batch:
                     num_tokens += len(event.token_ids)
-                    yield response_chunk(meta, index, event, prepared.want_logprobs)
+                    yield response_chunk(meta, index, event, prepared.want_logprobs,
+                                         tools[index] if tools is not None else None)
             if prepared.include_usage:
                 prompt_tokens = len(prepared.prompt_token_ids)
                 yield pb.GenerateResponse(id=meta.id, model=meta.model, usage=pb.Usage(

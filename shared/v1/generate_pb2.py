@@ -24,35 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe9\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\r\n\x05min_p\x18\t \x01(\x01\x12\x0e\n\x01n\x18\n \x01(\rH\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0f \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x01\x12\x12\n\nignore_eos\x18\x11 \x01(\x08\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x12\x10\n\x08logprobs\x18\x13 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x14 \x01(\r\x12\x15\n\rinclude_usage\x18\x15 \x01(\x08\x12\x11\n\x04user\x18\x16 \x01(\tH\x07\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x04\n\x02_nB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x07\n\x05_user\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"D\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xc2\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x0f\n\rModelsRequest\"M\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x03\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"3\n\x0eModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model2\x9b\x01\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12?\n\x06Models\x12\x19.pdserve.v1.ModelsRequest\x1a\x1a.pdserve.v1.ModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"\x9e\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x19\n\x0ctool_call_id\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05_nameB\x0f\n\r_tool_call_id\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"a\n\x08\x46unction\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x13\n\x06strict\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_strict\"a\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x06strict\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_strict\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb0\x06\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\r\n\x05min_p\x18\t \x01(\x01\x12\x0e\n\x01n\x18\n \x01(\rH\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0f \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x01\x12\x12\n\nignore_eos\x18\x11 \x01(\x08\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x12\x10\n\x08logprobs\x18\x13 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x14 \x01(\r\x12\x15\n\rinclude_usage\x18\x15 \x01(\x08\x12\x11\n\x04user\x18\x16 \x01(\tH\x07\x88\x01\x01\x12\x33\n\x0fresponse_format\x18\x17 \x01(\x0b\x32\x1a.pdserve.v1.ResponseFormat\x12#\n\x05tools\x18\x18 \x03(\x0b\x32\x14.pdserve.v1.Function\x12\x13\n\x0btool_choice\x18\x19 \x01(\t\x12\x1c\n\x14tool_choice_function\x18\x1a \x01(\t\x12 \n\x13parallel_tool_calls\x18\x1b \x01(\x08H\x08\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x04\n\x02_nB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x07\n\x05_userB\x16\n\x14_parallel_tool_calls\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"D\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xf1\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\ntool_calls\x18\t \x03(\x0b\x32\x19.pdserve.v1.ToolCallDelta\"\x0f\n\rModelsRequest\"M\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x03\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"3\n\x0eModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model2\x9b\x01\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12?\n\x06Models\x12\x19.pdserve.v1.ModelsRequest\x1a\x1a.pdserve.v1.ModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATMESSAGE']._serialized_start=41
-  _globals['_CHATMESSAGE']._serialized_end=113
-  _globals['_CHATMESSAGES']._serialized_start=115
-  _globals['_CHATMESSAGES']._serialized_end=172
-  _globals['_TOKENIDS']._serialized_start=174
-  _globals['_TOKENIDS']._serialized_end=197
-  _globals['_GENERATEREQUEST']._serialized_start=200
-  _globals['_GENERATEREQUEST']._serialized_end=817
-  _globals['_TOPLOGPROB']._serialized_start=819
-  _globals['_TOPLOGPROB']._serialized_end=866
-  _globals['_TOKENLOGPROB']._serialized_start=868
-  _globals['_TOKENLOGPROB']._serialized_end=936
-  _globals['_USAGE']._serialized_start=938
-  _globals['_USAGE']._serialized_end=1017
-  _globals['_GENERATERESPONSE']._serialized_start=1020
-  _globals['_GENERATERESPONSE']._serialized_end=1214
-  _globals['_MODELSREQUEST']._serialized_start=1216
-  _globals['_MODELSREQUEST']._serialized_end=1231
-  _globals['_MODEL']._serialized_start=1233
-  _globals['_MODEL']._serialized_end=1310
-  _globals['_MODELSRESPONSE']._serialized_start=1312
-  _globals['_MODELSRESPONSE']._serialized_end=1363
-  _globals['_GENERATESERVICE']._serialized_start=1366
-  _globals['_GENERATESERVICE']._serialized_end=1521
+  _globals['_CHATMESSAGE']._serialized_start=42
+  _globals['_CHATMESSAGE']._serialized_end=200
+  _globals['_TOOLCALL']._serialized_start=202
+  _globals['_TOOLCALL']._serialized_end=257
+  _globals['_FUNCTION']._serialized_start=259
+  _globals['_FUNCTION']._serialized_end=356
+  _globals['_RESPONSEFORMAT']._serialized_start=358
+  _globals['_RESPONSEFORMAT']._serialized_end=455
+  _globals['_CHATMESSAGES']._serialized_start=457
+  _globals['_CHATMESSAGES']._serialized_end=514
+  _globals['_TOKENIDS']._serialized_start=516
+  _globals['_TOKENIDS']._serialized_end=539
+  _globals['_GENERATEREQUEST']._serialized_start=542
+  _globals['_GENERATEREQUEST']._serialized_end=1358
+  _globals['_TOOLCALLDELTA']._serialized_start=1360
+  _globals['_TOOLCALLDELTA']._serialized_end=1435
+  _globals['_TOPLOGPROB']._serialized_start=1437
+  _globals['_TOPLOGPROB']._serialized_end=1484
+  _globals['_TOKENLOGPROB']._serialized_start=1486
+  _globals['_TOKENLOGPROB']._serialized_end=1554
+  _globals['_USAGE']._serialized_start=1556
+  _globals['_USAGE']._serialized_end=1635
+  _globals['_GENERATERESPONSE']._serialized_start=1638
+  _globals['_GENERATERESPONSE']._serialized_end=1879
+  _globals['_MODELSREQUEST']._serialized_start=1881
+  _globals['_MODELSREQUEST']._serialized_end=1896
+  _globals['_MODEL']._serialized_start=1898
+  _globals['_MODEL']._serialized_end=1975
+  _globals['_MODELSRESPONSE']._serialized_start=1977
+  _globals['_MODELSRESPONSE']._serialized_end=2028
+  _globals['_GENERATESERVICE']._serialized_start=2031
+  _globals['_GENERATESERVICE']._serialized_end=2186
 # @@protoc_insertion_point(module_scope)

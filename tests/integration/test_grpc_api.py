@@ -155,6 +155,67 @@ def test_models(ray_serve, server):
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+STEPS = {"type": "object", "properties": {"steps": {"type": "array", "items": {"enum": ["alpha", "beta"]},
+                                                  "minItems": 2, "maxItems": 4}, "done": {"type": "boolean"}},
+         "required": ["steps", "done"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {"type": "integer",
+                                                                                        "minimum": 1}},
+           "required": ["city", "days"], "additionalProperties": False}
+
+
+def test_response_format_matches_http(ray_serve, server):
+    """json_schema over gRPC: the same seeded, sampled, constrained text as the HTTP API gives, and it validates."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    params = {"max_tokens": 96, "temperature": 1.0, "seed": 11, "n": 2}
+    http = _http(server, "/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT, **params, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "steps", "schema": STEPS}}})
+    text, _, finish = _by_choice(_generate(ray_serve, model="tiny", text=LONG_PROMPT, **params, response_format={
+        "type": "json_schema", "json_schema": json.dumps(STEPS), "name": "steps"}))
+    assert [text[i] for i in range(2)] == [c["text"] for c in sorted(http["choices"], key=lambda c: c["index"])]
+    assert finish == {0: "stop", 1: "stop"}
+    for i in range(2):
+        jsonschema.validate(json.loads(text[i]), STEPS)
+
+
+def test_named_tool_call_streams_as_tool_call_deltas(ray_serve, server):
+    """tool_choice_function over gRPC: the calls arrive as ToolCallDelta entries (id and name once, then argument
+    fragments) whose arguments validate against the function's parameters; the choice ends with "tool_calls";
+    the call and its result go back as history."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    tools = [{"name": "weather", "description": "the forecast", "parameters": json.dumps(WEATHER)}]
+    messages = [{"role": "user", "content": "Will it rain in Oslo?"}]
+    chunks = _generate(ray_serve, model="tiny", messages=messages, tools=tools, tool_choice_function="weather",
+                       max_tokens=96, temperature=1.0, seed=3)
+    deltas = [d for c in chunks for d in c.tool_calls]
+    assert deltas and deltas[0].name == "weather" and deltas[0].id.startswith("call_")
+    assert not "".join(c.text for c in chunks)
+    arguments = "".join(d.arguments for d in deltas)
+    jsonschema.validate(json.loads(arguments), WEATHER)
+    assert _by_choice(chunks)[2] == {0: "tool_calls"}
+    history = [*messages, {"role": "assistant", "tool_calls": [{"id": deltas[0].id, "name": "weather",
+                                                                "arguments": arguments}]},
+               {"role": "tool", "content": "rain", "tool_call_id": deltas[0].id}]
+    _, _, finish = _by_choice(_generate(ray_serve, model="tiny", messages=history, tools=tools, tool_choice="none",
+                                        max_tokens=4))
+    assert finish == {0: "length"}
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"response_format": {"type": "json_schema", "json_schema": '{"type": "string", "format": "nope"}'}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": "{not json"}}, "response_format.json_schema"),
+    ({"tools": [{"name": "weather", "parameters": "{}"}], "tool_choice_function": "nowhere"}, "tool_choice"),
+])
+def test_structured_fields_the_server_cannot_serve_are_invalid_argument(ray_serve, server, kwargs, field):
+    err = _rpc_error(ray_serve, model="tiny", messages=[{"role": "user", "content": "x"}], **kwargs)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.details()
+    assert _all_blocks_free(ray_serve)
+
+
 @pytest.mark.parametrize("kwargs,code", [
     ({"model": "gpt-9", "text": "x"}, grpc.StatusCode.NOT_FOUND),
     ({"model": "tiny", "text": "x", "max_tokens": 0}, grpc.StatusCode.INVALID_ARGUMENT),

@@ -71,6 +71,68 @@ def test_response_chunk():
     assert response_chunk(meta, 0, dataclasses.replace(event, finished=False), want_logprobs=False).finish_reason == ""
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_structured_fields_become_the_http_body_and_validate_as_it():
+    """response_format, tools, tool_choice and the history's tool calls map onto the HTTP API's fields, and the
+    body they make passes the HTTP API's own validation (which then names the same fields)."""
+    import json
+
+    from pdserve.api.protocol import ChatCompletionRequest
+
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "tool_calls": [{"id": "call_1", "name": "weather", "arguments": '{"city": "Oslo"}'}]},
+                {"role": "tool", "content": "12 C", "tool_call_id": "call_1"}]
+    body, chat = request_body(build_request(
+        "tiny", messages=messages, tools=[{"name": "weather", "description": "now", "parameters": json.dumps(WEATHER)}],
+        tool_choice_function="weather", parallel_tool_calls=False))
+    assert chat and body["tools"] == [{"type": "function", "function": {"name": "weather", "description": "now",
+                                                                        "parameters": WEATHER}}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "weather"}}
+    assert body["parallel_tool_calls"] is False
+    assert body["messages"][1] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]}
+    assert body["messages"][2] == {"role": "tool", "content": "12 C", "tool_call_id": "call_1"}
+    ChatCompletionRequest.model_validate(body)
+    body, _ = request_body(build_request("tiny", "x", response_format={
+        "type": "json_schema", "json_schema": json.dumps(WEATHER), "name": "w", "strict": True}))
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER,
+                                                                              "strict": True}}
+    body, _ = request_body(build_request("tiny", "x", response_format={"type": "json_object"}))
+    assert body["response_format"] == {"type": "json_object"} and "tools" not in body and "tool_choice" not in body
+    assert "response_format" not in request_body(build_request("tiny", "x"))[0]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": "{not json"}}, "response_format.json_schema"),
+    ({"tools": [{"name": "f", "parameters": "[1,"}]}, "tools[0].parameters"),
+    ({"tools": [{"name": "f"}], "tool_choice": "auto", "tool_choice_function": "f"}, "tool_choice"),
+])
+def test_structured_fields_that_are_not_json_or_contradict_are_400(fields, param):
+    with pytest.raises(APIError) as info:
+        request_body(build_request("tiny", messages=[{"role": "user", "content": "x"}], **fields))
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_response_chunk_splits_tool_calls_from_text():
+    """Chat with tools (required): the constrained call text becomes ToolCallDelta entries (the header once, then
+    argument fragments) and the choice finishes with "tool_calls"."""
+    from pdserve.api.tool_parser import ToolCallStream
+    from pdserve.api.tools import ToolPlan
+
+    meta = oa.ResponseMeta("chatcmpl-1", "tiny", True)
+    stream = ToolCallStream(ToolPlan("required", ("weather",), False))
+    pieces = ['{"name": "weather", "arguments": ', '{"city": ', '"Oslo"}}']
+    chunks = [response_chunk(meta, 0, TokenBatch((1,), piece, finished=k == 2, finish_reason="stop" if k == 2 else None),
+                             want_logprobs=False, tools=stream) for k, piece in enumerate(pieces)]
+    deltas = [d for c in chunks for d in c.tool_calls]
+    assert deltas[0].name == "weather" and deltas[0].id.startswith("call_") and {d.index for d in deltas} == {0}
+    assert "".join(d.arguments for d in deltas) == '{"city": "Oslo"}'
+    assert all(not d.name for d in deltas[1:]) and all(c.text == "" for c in chunks)
+    assert [c.finish_reason for c in chunks] == ["", "", "tool_calls"]
+
+
 class FakeContext:
     def __init__(self, metadata=()):
         self.metadata = list(metadata)
@@ -98,7 +160,7 @@ class BodyAdmission(Admission):
 
     def admit(self, data, chat, num_inflight):
         return SimpleNamespace(data=data, chat=chat, want_logprobs=False, include_usage=True,
-                               prompt_token_ids=[1, 2, 3])
+                               prompt_token_ids=[1, 2, 3], tools=None, num_choices=1)
 
 
 class FakeRouter(GrpcServiceMixin):
