@@ -160,7 +160,13 @@ def prepare(
     return Prepared(chat, prompts, params, req.n, req.stream, bool(options and options.include_usage),
                     params.logprobs is not None, ttft_s, tpot_s, Priority.of(req.priority or "interactive"),
                     continuous_usage=bool(options and options.continuous_usage_stats), echo_texts=echo_texts,
-                    tools=req.tool_plan if chat else None)
+                    tools=_with_call_format(req.tool_plan, tokenizer) if chat else None)
+
+
+def _with_call_format(plan: ToolPlan | None, tokenizer: Tokenizer) -> ToolPlan | None:
+    if plan is None:
+        return None
+    return dataclasses.replace(plan, call_format=tool_prompt.call_format_of(tokenizer.chat_template))
 
 
 SLO_HEADERS = {"x-slo-ttft-ms": "ttft_ms", "x-slo-tpot-ms": "tpot_ms"}

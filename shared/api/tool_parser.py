@@ -4,9 +4,9 @@ content and call events; a whole response is the same stream fed once, so stream
 - `required` (and named): the text is the constrained JSON (`pdserve.api.tools.call_schema`). A call's
   header (id, name) goes out once its `"arguments":` key is read, then the arguments value's text as it
   arrives: the concatenated fragments are the model's JSON text of the arguments.
-- `auto`: text outside `<tool_call>` blocks is content (a possible start of a tag is held back); a block is
-  a call when it holds `{"name": <a defined function>, "arguments": {...}}`, sent whole (header and
-  arguments) when the block closes; anything else stays content, as written.
+- `auto`: text outside blocks of calls (`pdserve.api.call_formats`: `<tool_call>` blocks by default) is
+  content (a possible start of a block's marker is held back); a block's calls to defined functions are
+  sent whole (header and arguments) when the block closes; anything else stays content, as written.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.api.tool_prompt import CALL_CLOSE, CALL_OPEN
+from pdserve.api.call_formats import call_format
 from pdserve.api.tools import ToolPlan
 
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\Z')
@@ -58,6 +58,8 @@ class ToolCallStream:
         self._arguments_depth = 0
         self._pending = ""  # auto: held-back text (a tag's possible start, a block, leading whitespace)
         self._in_block = False
+        self._opened = ""  # the marker that opened the block (given back with it when it holds no calls)
+        self.format = call_format(plan.call_format)
         self._has_content = False
 
     def feed(self, text: str) -> ToolEvents:
@@ -114,25 +116,31 @@ class ToolCallStream:
         elif self._mode == "tail" and self._depth == call_depth:
             self._mode = "outside"
 
-    # auto: <tool_call> blocks in free text
+    # auto: blocks of calls in free text, in the model family's format
     def _auto(self, out: ToolEvents, final: bool) -> None:
+        fmt = self.format
         while self._pending:
             if self._in_block:
-                end = self._pending.find(CALL_CLOSE)
+                end = self._pending.find(fmt.close) if fmt.close is not None else -1
                 if end < 0 and not final:
                     return
                 body = self._pending if end < 0 else self._pending[:end]
-                rest = "" if end < 0 else self._pending[end + len(CALL_CLOSE):]
+                rest = "" if end < 0 else self._pending[end + len(fmt.close):]
                 self._in_block, self._pending = False, rest
-                if not self._call(body, out):
-                    self._content(out, CALL_OPEN + body + ("" if end < 0 else CALL_CLOSE))
+                if not self._calls(body, out):
+                    self._content(out, self._opened + body + ("" if end < 0 else fmt.close))
                 continue
-            start = self._pending.find(CALL_OPEN)
+            if fmt.bare_json and not self._has_content and not self.num_calls and self._pending.lstrip()[:1] == "{":
+                # the answer itself is the block: held to the end, then calls or content as written
+                self._pending, self._in_block, self._opened = self._pending.lstrip(), True, ""
+                continue
+            start = self._pending.find(fmt.open)
             if start >= 0:
                 self._content(out, self._pending[:start])
-                self._pending, self._in_block = self._pending[start + len(CALL_OPEN):], True
+                self._pending, self._in_block = self._pending[start + len(fmt.open):], True
+                self._opened = fmt.open
                 continue
-            keep = 0 if final else _partial_tag(self._pending)
+            keep = 0 if final else _partial_tag(self._pending, fmt.open)
             text = self._pending[: len(self._pending) - keep]
             if not final and text.strip() == "" and (self.num_calls or not self._has_content):
                 return  # whitespace alone waits: it may only lead or separate calls
@@ -146,23 +154,20 @@ class ToolCallStream:
         out.content += text
         self._has_content = True
 
-    def _call(self, body: str, out: ToolEvents) -> bool:
-        try:
-            call = json.loads(body)
-        except (ValueError, RecursionError):
+    def _calls(self, body: str, out: ToolEvents) -> bool:
+        calls = self.format.parse(body, self.plan.names)
+        if calls is None:
             return False
-        if not (isinstance(call, dict) and call.keys() == {"name", "arguments"} and call["name"] in self.plan.names
-                and isinstance(call["arguments"], dict)):
-            return False
-        out.header(self.num_calls, call["name"], json.dumps(call["arguments"], ensure_ascii=False))
-        self.num_calls += 1
+        for name, arguments in calls:
+            out.header(self.num_calls, name, json.dumps(arguments, ensure_ascii=False))
+            self.num_calls += 1
         return True
 
 
-def _partial_tag(text: str) -> int:
-    """How many trailing characters of `text` could begin a `<tool_call>` tag."""
-    for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
-        if CALL_OPEN.startswith(text[-n:]):
+def _partial_tag(text: str, tag: str) -> int:
+    """How many trailing characters of `text` could begin `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 

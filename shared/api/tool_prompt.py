@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import jinja2.ext
 import jinja2.meta
+from pdserve.api.call_formats import detect
 from pdserve.api.tools import ToolDefinition, ToolPlan, tool_json
 
 if TYPE_CHECKING:
@@ -40,6 +41,11 @@ def template_reads_tools(template: str | None) -> bool:
         return "tools" in jinja2.meta.find_undeclared_variables(env.parse(template))
     except jinja2.TemplateError:
         return False
+
+
+def call_format_of(template: str | None) -> str:
+    """The call format a model answers in under `render`: its template's, or the default section's."""
+    return detect(template, template_reads_tools(template))
 
 
 def tools_section(tools: list[ToolDefinition], plan: ToolPlan | None) -> str:

@@ -4,7 +4,7 @@ carries to its response (which functions, whether the output is constrained to c
 `required` and a named choice constrain the output to JSON through the structured-output path: one call
 `{"name": ..., "arguments": {...}}` (the body of a `<tool_call>` block, see `tool_prompt`), or with
 `parallel_tool_calls` a list of 1..MAX_PARALLEL_CALLS of them, each call's arguments under its function's
-`parameters`. `auto` is not constrained: calls are parsed from `<tool_call>` blocks in the text.
+`parameters`. `auto` is not constrained: calls are parsed from the text in the model family's format (`call_formats`).
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ class ToolPlan:
     names: tuple[str, ...]
     parallel: bool
     schema: str | None = None
+    call_format: str = "hermes"  # auto: how the model writes calls (pdserve.api.call_formats, from its template)
 
 
 def call_schema(functions: list[FunctionDefinition], parallel: bool) -> dict[str, Any]:
