@@ -149,3 +149,21 @@ def test_max_tokens_reached_under_a_schema_is_length(client):
     with pytest.raises(openai.LengthFinishReasonError):  # what the client does with it
         client.chat.completions.parse(model=DEFAULT_MODEL, messages=ASK, temperature=0.0, max_tokens=6,
                                       response_format=Person)
+
+
+def test_logprobs_and_stop_strings_keep_working_under_a_schema(client):
+    """logprobs come per generated token (the model's own, before the mask) and the value still validates; a stop
+    string ends the value early with finish_reason "stop" and the text before it."""
+    resp = client.chat.completions.create(model=DEFAULT_MODEL, messages=ASK, temperature=0.0, max_tokens=MAX_TOKENS,
+                                          response_format=JSON_SCHEMA_FORMAT, logprobs=True, top_logprobs=2)
+    choice = resp.choices[0]
+    jsonschema.validate(json.loads(choice.message.content), PERSON_SCHEMA)
+    tokens = choice.logprobs.content
+    assert len(tokens) == resp.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in tokens)
+    assert "".join(t.token for t in tokens) == choice.message.content
+    assert all(t.logprob <= 0 for t in tokens)
+    stopped = client.chat.completions.create(model=DEFAULT_MODEL, messages=ASK, temperature=0.0,
+                                             max_tokens=MAX_TOKENS, response_format=JSON_SCHEMA_FORMAT, stop=['"age"'])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert choice.message.content.startswith(stopped.choices[0].message.content)
+    assert '"age"' not in stopped.choices[0].message.content and stopped.choices[0].message.content.startswith("{")
