@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         from pdserve.runtime.serve_env import routes_at
         from pdserve.v1 import SERVICER_FUNCTION
 
-        redis_url = args.redis_url
+        redis_url = args.redis_url or config.redis_url  # the flag, else the config file's; else one of our own
         if redis_url is None and find_server_binary():
             try:
                 redis, supervisor = _start_redis(config)

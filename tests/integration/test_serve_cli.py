@@ -131,3 +131,45 @@ def test_sigterm_stops_pdserve_serve_like_ctrl_c_and_leaves_no_process(tmp_path)
     assert proc.returncode == 0, output[-3000:]
     assert "shutting down" in output and "pdserve serve: stopped" in output
     assert not alive, [p.pid for p in alive]
+
+
+def test_a_redis_url_in_the_config_file_is_used_and_no_local_redis_starts(tmp_path, redis_server):
+    """`pdserve serve --config` with `redis_url` set in the file (not the flag): the KV handoff goes through that
+    server (transport redis) and no Redis of pdserve's own is started beside it."""
+    import redis
+
+    port = free_port()
+    (tmp_path / "system.yaml").write_text(json.dumps({"model": "tiny", "transport": "redis",
+                                                      "redis_url": redis_server.url}))
+    client = redis.Redis.from_url(redis_server.url)
+    before = client.info("stats")["total_commands_processed"]
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.services.cli", "serve", "--config", str(tmp_path / "system.yaml"),
+         "--port", str(port), "--grpc-port", "0"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while _get(f"http://127.0.0.1:{port}/health") != 200:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "pdserve serve did not become healthy"
+            time.sleep(1)
+        body = json.dumps({"model": "tiny", "prompt": "A prompt long enough to take the prefill pool. " * 3,
+                           "max_tokens": 4, "ignore_eos": True, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["choices"][0]["finish_reason"] == "length"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    output = (tmp_path / "serve.log").read_text()
+    assert proc.returncode == 0, output[-3000:]
+    assert "started a local Redis" not in output and "redis transport" in output, output[-3000:]
+    assert client.info("stats")["total_commands_processed"] > before + 2  # the handoff used this server
