@@ -183,8 +183,8 @@ def _library_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
     bench.add_argument("target", choices=["engine", "kernels", "kvquant", "transfer", "router", "placement", "spec",
-                                            "linears", "attention", "structured"],
-                       help="router, placement: flags of their own (pdserve bench router --help)")
+                                            "linears", "attention", "structured", "peer"],
+                       help="router, placement, peer: flags of their own (pdserve bench router --help)")
     bench.add_argument("--transports", default=None, help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh")
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
@@ -241,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.router import main as bench_router
 
         return bench_router(argv[2:])
+    if argv[:2] == ["bench", "peer"]:
+        from pdserve.bench.peer import main as bench_peer
+
+        return bench_peer(argv[2:])
     if argv[:2] == ["bench", "placement"]:
         from pdserve.bench.placement import main as bench_placement
 

