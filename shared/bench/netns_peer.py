@@ -1,0 +1,120 @@
+"""The processes of the cross-namespace transfer benchmark, each run inside one network namespace.
+
+    python -m pdserve.bench.netns_peer tcp-send HOST PORT NBYTES REPEATS
+    python -m pdserve.bench.netns_peer tcp-recv HOST PORT NBYTES REPEATS
+    python -m pdserve.bench.netns_peer ucx-export HOST LAYOUT NUM_BLOCKS NUM_LEASES
+    python -m pdserve.bench.netns_peer ucx-pull LAYOUT NUM_BLOCKS
+
+tcp-recv listens and prints one JSON list of seconds per stream (first byte sent to last byte read); tcp-send
+connects and writes NBYTES per stream. ucx-export advertises HOST in its handoff params, prints them as one
+JSON line and serves until stdin closes; ucx-pull reads that line from stdin, pulls every lease into its own
+pool, checks the bytes, and prints one JSON list of seconds per pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import time
+import uuid
+
+CHUNK = 1 << 20
+
+
+def tcp_recv(host: str, port: int, nbytes: int, repeats: int) -> None:
+    buffer = bytearray(nbytes)
+    view = memoryview(buffer)
+    times = []
+    with socket.create_server((host, port)) as server:
+        print("listening", flush=True)
+        for _ in range(repeats):
+            conn, _ = server.accept()
+            with conn:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+                got = conn.recv_into(view[:CHUNK])
+                start = time.perf_counter()  # from the first byte: connection setup is not the stream's
+                while got < nbytes:
+                    n = conn.recv_into(view[got : got + CHUNK])
+                    if n == 0:
+                        raise ConnectionError(f"stream ended after {got} of {nbytes} bytes")
+                    got += n
+                times.append(time.perf_counter() - start)
+                conn.sendall(b"k")  # the sender waits for this: streams do not overlap
+    print(json.dumps(times), flush=True)
+
+
+def tcp_send(host: str, port: int, nbytes: int, repeats: int) -> None:
+    payload = memoryview(bytes(nbytes))
+    for _ in range(repeats):
+        with socket.create_connection((host, port), timeout=60) as conn:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            conn.sendall(payload)
+            conn.recv(1)
+
+
+async def ucx_export(host: str, layout_name: str, num_blocks: int, num_leases: int) -> None:
+    from pdserve.bench.transfer import LAYOUTS
+    from pdserve.bench.ucx_peer import seeded_pool
+    from pdserve.kvcache.transports.ucx import UCXConfig, UCXTransport
+
+    layout = LAYOUTS[layout_name]
+    pool = seeded_pool(layout, num_blocks)
+    # the workers' default config (endpoint error handling on), advertising the namespace's veth address
+    transport = UCXTransport(pool, layout, config=UCXConfig.for_pool(pool), host=host)
+    await transport.start()
+    ids = list(range(num_blocks))
+    params = [(await transport.export(uuid.uuid4().hex, ids, list(range(1, num_blocks + 1)),
+                                      num_blocks * layout.block_size)).to_dict() for _ in range(num_leases)]
+    print(json.dumps(params), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await transport.close()
+
+
+async def ucx_pull(layout_name: str, num_blocks: int) -> None:
+    import torch
+
+    from pdserve.bench.transfer import LAYOUTS
+    from pdserve.bench.ucx_peer import seeded_pool
+    from pdserve.kvcache.params import HandoffParams
+    from pdserve.kvcache.pool import KVPoolIO, allocate_pool
+    from pdserve.kvcache.transports.ucx import UCXConfig, UCXTransport
+
+    layout = LAYOUTS[layout_name]
+    all_params = [HandoffParams.from_dict(p) for p in json.loads(sys.stdin.readline())]
+    shape = (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    pool = KVPoolIO(allocate_pool(shape, getattr(torch, layout.dtype), "cpu").zero_())
+    transport = UCXTransport(pool, layout, config=UCXConfig.for_pool(pool))
+    await transport.start()
+    ids = list(range(num_blocks))
+    times = []
+    try:
+        for params in all_params:
+            start = time.perf_counter()
+            await transport.pull(params, ids)
+            times.append(time.perf_counter() - start)
+    finally:
+        await transport.close()
+    expected = seeded_pool(layout, num_blocks)
+    if not all(torch.equal(expected.block_tensor(i), pool.block_tensor(i)) for i in (0, num_blocks - 1)):
+        raise SystemExit("the pulled blocks differ from the exported ones")
+    print(json.dumps(times), flush=True)
+
+
+def main(argv: list[str]) -> None:
+    role, args = argv[0], argv[1:]
+    if role == "tcp-recv":
+        tcp_recv(args[0], int(args[1]), int(args[2]), int(args[3]))
+    elif role == "tcp-send":
+        tcp_send(args[0], int(args[1]), int(args[2]), int(args[3]))
+    elif role == "ucx-export":
+        asyncio.run(ucx_export(args[0], args[1], int(args[2]), int(args[3])))
+    elif role == "ucx-pull":
+        asyncio.run(ucx_pull(args[0], int(args[1])))
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
