@@ -31,7 +31,7 @@ class NetnsUnavailable(RuntimeError):
 
 
 def _ip(*args: str) -> None:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise NetnsUnavailable(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
@@ -46,7 +46,7 @@ class VethPair:
     def tx_bytes(self) -> int:
         """Bytes the prefill namespace's end has sent: what crossed the interface."""
         done = subprocess.run(["ip", "netns", "exec", self.prefill_ns, "cat",
-                               f"/sys/class/net/{self.prefill_dev}/statistics/tx_bytes"], capture_output=True, text=True)
+                               f"/sys/class/net/{self.prefill_dev}/statistics/tx_bytes"], capture_output=True, text=True, check=False)
         return int(done.stdout)
 
 
@@ -74,7 +74,7 @@ def veth_pair(mtu: int = 1500):
         yield VethPair(ns_a, ns_b, dev_a, f"{subnet}.1")
     finally:
         for ns in made:  # deleting a namespace deletes its end of the veth pair, and so the pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
 def _in_ns(ns: str, *args: str, **kwargs) -> subprocess.Popen:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -58,7 +59,7 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int)
     if num_tokens != max_tokens or not arrivals:
         raise RuntimeError(f"expected {max_tokens} tokens, got {num_tokens} in {len(arrivals)} chunks")
     per_chunk = num_tokens / len(arrivals)
-    gaps = [(b[0] - a[0]) / per_chunk for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [(b[0] - a[0]) / per_chunk for a, b in itertools.pairwise(arrivals)]
     e2e = time.perf_counter() - start
     return {"ttft": arrivals[0][0], "e2e": e2e, "tokens": num_tokens, "gaps": gaps,
             "tpot": (e2e - arrivals[0][0]) / max(1, num_tokens - 1)}
@@ -118,15 +119,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     gguf = alias_gguf_path(DEFAULT_MODEL)
-    common = dict(concurrencies=concurrencies, num_requests=args.requests, prompt_tokens=args.prompt_tokens,
-                  max_tokens=args.max_tokens, vocab=49152, seed=args.seed, idle_s=args.idle_s)
+    common = {"concurrencies": concurrencies, "num_requests": args.requests, "prompt_tokens": args.prompt_tokens,
+              "max_tokens": args.max_tokens, "vocab": 49152, "seed": args.seed, "idle_s": args.idle_s}
     result: dict[str, Any] = {
         "bench": "peer", "gguf": gguf.name, "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "client": "asyncio httpx, in process, closed loop; /v1/completions with token prompts, greedy, ignore_eos",
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens}
     servers = {"pdserve": PdserveServer(args.port, DEFAULT_MODEL),
-               "llama_cpp": LlamaCppServer(args.peer_venv, XLLAMACPP, gguf, args.port, args.peer_threads or os.cpu_count(),
-                                           args.peer_slots or max(concurrencies))}
+               "llama_cpp": LlamaCppServer(args.peer_venv, XLLAMACPP, gguf, args.port,
+                                           args.peer_threads or os.cpu_count(), args.peer_slots or max(concurrencies))}
     for name in args.order.split(","):
         result[name] = measure(servers[name], **common)
     mine, peer = result["pdserve"], result["llama_cpp"]
@@ -134,7 +135,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"ratio_tok_s_c{c}"] = round(a["output_tok_s"] / b["output_tok_s"], 3)
         result[f"ratio_ttft_c{c}"] = round(a["ttft_ms_p50"] / b["ttft_ms_p50"], 3)
         result[f"ratio_itl_c{c}"] = round(a["itl_ms_p50"] / b["itl_ms_p50"], 3)
-    result["rss_ratio"] = round(mine["idle_memory"]["largest_worker_rss_mb"] / peer["idle_memory"]["largest_worker_rss_mb"], 3)
+    mine_mem, peer_mem = mine["idle_memory"], peer["idle_memory"]
+    result["rss_ratio"] = round(mine_mem["largest_worker_rss_mb"] / peer_mem["largest_worker_rss_mb"], 3)
     result["total_pss_ratio"] = round(mine["idle_memory"]["total_pss_mb"] / peer["idle_memory"]["total_pss_mb"], 3)
     return result
 

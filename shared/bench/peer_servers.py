@@ -152,10 +152,10 @@ class LlamaCppServer(Server):
 def ensure_peer_venv(venv: Path, requirement: str) -> None:
     """A scratch venv holding `requirement` (made once): the peer is a tool, never a project dependency."""
     python = venv / "bin" / "python"
-    if python.exists() and subprocess.run([str(python), "-c", "import xllamacpp"], capture_output=True).returncode == 0:
+    if python.exists() and subprocess.run([str(python), "-c", "import xllamacpp"], capture_output=True, check=False).returncode == 0:
         return
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", requirement], capture_output=True, text=True)
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", requirement], capture_output=True, text=True, check=False)
     if install.returncode != 0:
         raise RuntimeError(f"pip install {requirement} into {venv} failed: {install.stderr[-500:]}")
 

@@ -15,7 +15,7 @@ pytest.importorskip("ucxx")
 
 
 def _namespaces() -> str:
-    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
 
 
 def test_ucx_handoff_crosses_the_veth_link_intact_and_the_namespaces_are_removed():
@@ -28,7 +28,7 @@ def test_ucx_handoff_crosses_the_veth_link_intact_and_the_namespaces_are_removed
         pytest.skip(f"no network namespaces here: {exc}")
     before = _namespaces()
     done = subprocess.run([sys.executable, "-m", "pdserve.bench.netns", "--json", "--sizes-mib", "4,16",
-                           "--repeats", "1"], capture_output=True, text=True, timeout=600)
+                           "--repeats", "1"], capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     for row in result["rows"]:
@@ -47,5 +47,5 @@ def test_a_machine_without_namespaces_gets_a_one_line_error_and_exit_2():
         pytest.skip("needs root to drop to an unprivileged user, and setpriv")
     done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
                            "pdserve.bench.netns", "--json", "--sizes-mib", "1"], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
     assert done.returncode == 2 and done.stderr.startswith("bench cross-ns: ") and "Traceback" not in done.stderr
