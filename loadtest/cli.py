@@ -1,5 +1,6 @@
 """`pdserve-loadtest`: `run` (one load point against a URL), `sweep` (goodput of a URL), `scenario` (a YAML file),
-`soak` (faults and bad input under load), `bound` (what placement can save at most on a scenario's trace)."""
+`soak` (faults and bad input under load), `bound` (what placement can save at most on a scenario's trace),
+`simulate` (a scenario through the discrete-event model, pdserve.sim: no server)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,12 @@ def parser() -> argparse.ArgumentParser:
     bound.add_argument("file", type=Path)
     bound.add_argument("--batches", default="1,2,4,16", help="decode batch sizes to price a request's decode at")
     bound.add_argument("--draws", type=int, default=200, help="random placements averaged for the cache-blind case")
+    simulate = sub.add_parser("simulate", help="a scenario through the simulator (pdserve.sim) at its sweep rates")
+    simulate.add_argument("file", type=Path)
+    simulate.add_argument("--profile", help="latency profile (default: the scenario's machine_profile)")
+    simulate.add_argument("--rates", help="rates instead of the sweep grid, comma-separated")
+    simulate.add_argument("--requests", type=int, help="requests per rate instead of load.num_requests")
+    simulate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     from pdserve.loadtest.soak import add_soak_args
 
     add_soak_args(sub.add_parser("soak", help="N requests with disconnects, bad inputs and replica kills; "
@@ -187,6 +194,14 @@ def bound_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def simulate_main(args: argparse.Namespace) -> int:
+    from pdserve.sim.cli import scenario_main as simulate_scenario
+
+    args.prog = "pdserve-loadtest"
+    print(json.dumps(simulate_scenario(args)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -194,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.loadtest.soak_run import soak_main
 
             return soak_main(args)
-        return {"run": run_main, "sweep": sweep_main, "scenario": scenario_main, "bound": bound_main}[args.command](args)
+        return {"run": run_main, "sweep": sweep_main, "scenario": scenario_main, "bound": bound_main,
+                "simulate": simulate_main}[args.command](args)
     except ValueError as exc:
         print(f"pdserve-loadtest: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,298 @@
+"""The discrete-event loop: arrivals, routers polling stats and placing with the live placement code,
+engine steps, KV handoffs, and (optionally) an autoscaler adding and draining replicas.
+
+Routers: request i goes to router i mod n. Each router polls every replica's stats every poll_s (the
+routers' polls are staggered over the period) and places with `create_policy` on those snapshots plus its
+own pending placements (pdserve.placement.pending, as the live placer does). Disaggregated: the request
+queues on its prefill replica; when its prompt is done its KV moves for `kv_transfer_s` (its prefill
+blocks held until then), its first token reaches the client at the end of the transfer, and it joins the
+decode replica. Without a prefill replica in the placement, the decode replica prefills it locally.
+A draining replica takes no new placement and leaves once it holds no work (nothing is lost).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdserve.latency_model import LatencyProfile
+from pdserve.placement.pending import PendingPlacements
+from pdserve.placement.policy import PlacementRequest, Rejection, create_policy
+from pdserve.sim.config import ClusterSpec, SimRequest
+from pdserve.sim.engine import Batch, Engine, SimSeq
+from pdserve.sim.results import RequestRecord
+
+# event priorities at equal times: replicas come up and steps end before polls, polls before arrivals
+READY, STEP, TRANSFER, POLL, SCALE, ARRIVAL = range(6)
+STALL_S = 3600.0  # simulated seconds without a step, handoff or arrival while requests remain: a bug
+
+
+@dataclass
+class Replica:
+    engine: Engine
+    role: str  # "prefill" | "decode" (colocated engines report as decode, as the live ones do)
+    requested_s: float
+    ready_s: float
+    stopped_s: float | None = None
+    is_draining: bool = False
+    num_inbound: int = 0  # handoffs on their way to it
+    num_held: int = 0  # prefilled sequences whose blocks wait for their handoff
+    batch: Batch | None = None
+
+    @property
+    def replica_id(self) -> str:
+        return self.engine.replica_id
+
+    @property
+    def is_empty(self) -> bool:
+        return self.engine.is_idle and not self.num_inbound and not self.num_held
+
+
+class Scaler(Protocol):
+    interval_s: float
+
+    def desired(self, sim: Simulation, now: float) -> dict[str, int]:
+        """Desired ready (or starting) replicas per role."""
+
+
+@dataclass
+class Observers:
+    on_arrival: list[Callable[[RequestRecord, float], None]] = field(default_factory=list)
+    on_finish: list[Callable[[RequestRecord, float], None]] = field(default_factory=list)
+
+
+class Simulation:
+    def __init__(self, spec: ClusterSpec, profile: LatencyProfile, requests: Sequence[SimRequest],
+                 scaler: Scaler | None = None) -> None:
+        self.spec, self.profile, self.scaler = spec, profile, scaler
+        self.records = [RequestRecord(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
+        self.replicas: list[Replica] = []
+        self.retired: list[Replica] = []
+        self.observers = Observers()
+        self.now = 0.0
+        self._events: list[tuple[float, int, int, object]] = []
+        self._seq = itertools.count()
+        self._ids = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._records_by_seq: dict[int, RequestRecord] = {}
+        self._targets: dict[int, Replica] = {}  # prefilling sequence -> its decode replica
+        colocated = spec.mode == "colocated"
+        router = spec.router
+        prefill_model = profile.for_role("prefill")
+        self.transfer_model = prefill_model if spec.transport in prefill_model.transfers else None
+        placement, placement_profile = router.placement, profile if router.has_profile else None
+        if placement.transport is not None and placement.transport not in prefill_model.transfers:
+            placement = placement.model_copy(update={"transport": None})
+        if placement.policy == "slo_aware" and placement_profile is None:
+            placement = placement.model_copy(update={"policy": "least_loaded"})
+        self.policies = [create_policy(placement.model_copy(update={"seed": (placement.seed or 0) * 1000 + k}),
+                                       placement_profile, has_prefill_pool=not colocated)
+                         for k in range(router.num_routers)]
+        self.pendings = [PendingPlacements(router.pending_grace_s, clock=lambda: self.now)
+                         for _ in range(router.num_routers)]
+        self.polled: list[list] = [[] for _ in range(router.num_routers)]
+        self.with_prefixes = any(r.block_hashes for r in requests)
+        self._round_robin = itertools.count()
+        for role, n in (("prefill", 0 if colocated else spec.num_prefill), ("decode", spec.num_decode)):
+            for _ in range(n):
+                self.add_replica(role, 0.0, 0.0)
+
+    # --- replicas ----------------------------------------------------------------------------------
+
+    def add_replica(self, role: str, now: float, startup_s: float) -> Replica:
+        engine_role = "colocated" if self.spec.mode == "colocated" else role
+        spec = self.spec.prefill if role == "prefill" else self.spec.decode
+        name = f"{role}-{next(self._ids[role]):03d}"
+        replica = Replica(Engine(name, engine_role, spec, self.profile.for_role(role)), role, now, now + startup_s)
+        self.replicas.append(replica)
+        if startup_s > 0:
+            self._push(replica.ready_s, READY, replica)
+        return replica
+
+    def active(self, role: str) -> list[Replica]:
+        """Replicas of `role` that are up or starting and not draining: what the autoscaler counts."""
+        return [r for r in self.replicas if r.role == role and not r.is_draining]
+
+    def drain(self, replica: Replica) -> None:
+        replica.is_draining = True
+        self._retire_if_empty(replica)
+
+    def _retire_if_empty(self, replica: Replica) -> None:
+        if replica.is_draining and replica.is_empty and replica in self.replicas:
+            replica.stopped_s = self.now
+            self.replicas.remove(replica)
+            self.retired.append(replica)
+
+    def _placeable(self, role: str) -> list[Replica]:
+        return [r for r in self.replicas if r.role == role and not r.is_draining and r.ready_s <= self.now]
+
+    # --- the loop ----------------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._events, (t, kind, next(self._seq), payload))
+
+    def run(self) -> list[RequestRecord]:
+        for record in self.records:
+            self._push(record.request.arrival_s, ARRIVAL, record)
+        period = self.spec.router.poll_s
+        for k in range(len(self.policies)):
+            self._push(k * period / len(self.policies), POLL, k)
+        if self.scaler is not None:
+            self._push(self.scaler.interval_s, SCALE, None)
+        remaining, last_work = len(self.records), 0.0
+        while self._events and remaining:
+            t, kind, _, payload = heapq.heappop(self._events)
+            self.now = t
+            if kind in (ARRIVAL, STEP, TRANSFER):
+                last_work = t
+            elif t - last_work > STALL_S:
+                raise RuntimeError(f"simulation stalled at t={t:.1f} s with {remaining} requests unfinished")
+            if kind == ARRIVAL:
+                remaining -= self._arrive(payload)  # type: ignore[arg-type]
+            elif kind == STEP:
+                remaining -= self._step_done(payload)  # type: ignore[arg-type]
+            elif kind == TRANSFER:
+                remaining -= self._handoff_done(*payload)  # type: ignore[misc]
+            elif kind == POLL:
+                self._poll(payload)  # type: ignore[arg-type]
+                self._push(t + period, POLL, payload)
+            elif kind == SCALE:
+                self._scale()
+                self._push(t + self.scaler.interval_s, SCALE, None)  # type: ignore[union-attr]
+            elif kind == READY:
+                self._kick(payload)  # type: ignore[arg-type]
+        for replica in self.replicas:
+            replica.stopped_s = self.now
+        return self.records
+
+    def _poll(self, k: int) -> None:
+        pending = self.pendings[k]
+        self.polled[k] = [r.engine.snapshot(r.role, 0.0, self.with_prefixes)
+                          for r in self.replicas if r.ready_s <= self.now]
+        for snapshot in self.polled[k]:
+            pending.observe(snapshot.replica_id, self.now)
+
+    def _arrive(self, record: RequestRecord) -> int:
+        """1 when the request is rejected (done), else 0."""
+        for hook in self.observers.on_arrival:
+            hook(record, self.now)
+        req, router = record.request, self.spec.router
+        k = req.index % len(self.policies)
+        by_id = {r.replica_id: r for r in self.replicas}
+        view = [self.pendings[k].apply(s) for s in self.polled[k]
+                if s.replica_id in by_id and not by_id[s.replica_id].is_draining]
+        request = PlacementRequest(req.prompt_tokens, req.output_tokens, router.ttft_slo_s, router.tpot_slo_s,
+                                   block_hashes=req.block_hashes)
+        placement = self.policies[k].place(request, [s for s in view if s.role == "prefill"],
+                                           [s for s in view if s.role == "decode"])
+        if isinstance(placement, Rejection) or not self._fits(req):
+            record.status = "rejected"
+            for hook in self.observers.on_finish:
+                hook(record, self.now)
+            return 1
+        decode = by_id.get(placement.decode_replica or "") or self._pick("decode")
+        record.decode_replica = decode.replica_id
+        prefill = None
+        if placement.disaggregate and self.spec.mode == "disaggregated":
+            prefill = by_id.get(placement.prefill_replica or "") or self._pick("prefill")
+        self.pendings[k].record_placement(placement, request, decode.engine.spec.block_size)
+        seq_owner = prefill or decode
+        seq = seq_owner.engine.add(req, placement.prefill_chunk_tokens)
+        self._records_by_seq[id(seq)] = record
+        if prefill is not None:
+            record.prefill_replica = prefill.replica_id
+            self._targets[id(seq)] = decode
+            decode.num_inbound += 1
+        self._kick(seq_owner)
+        return 0
+
+    def _fits(self, req: SimRequest) -> bool:
+        """Whether a replica's whole pool can hold the request (the engine would never admit it otherwise)."""
+        decode, prefill = self.spec.decode, self.spec.prefill
+        if req.prompt_tokens + req.output_tokens > decode.num_blocks * decode.block_size:
+            return False
+        return self.spec.mode == "colocated" or req.prompt_tokens <= prefill.num_blocks * prefill.block_size
+
+    def _pick(self, role: str) -> Replica:
+        """Serve's choice when the placement names no replica (no stats yet): round robin."""
+        pool = self._placeable(role) or [r for r in self.replicas if r.role == role]
+        return pool[next(self._round_robin) % len(pool)]
+
+    def _kick(self, replica: Replica) -> None:
+        """Starts a step on an idle, ready engine that has work."""
+        engine = replica.engine
+        if engine.busy_until is not None or replica.ready_s > self.now or not engine.has_work:
+            return
+        batch = engine.schedule()
+        if not batch.decodes and not batch.prefills:
+            return  # waits for blocks: a handoff or a finish frees them and kicks it again
+        seconds = engine.step_time_s(batch)
+        engine.busy_until = self.now + seconds
+        replica.batch = batch
+        self._push(engine.busy_until, STEP, (replica, seconds))
+
+    def _step_done(self, payload: tuple[Replica, float]) -> int:
+        replica, seconds = payload
+        engine, batch = replica.engine, replica.batch
+        engine.busy_until, replica.batch = None, None
+        outcome = engine.complete(batch, self.now, seconds)  # type: ignore[arg-type]
+        for seq in outcome.prefilled:
+            replica.num_held += 1
+            tokens = seq.request.prompt_tokens
+            transfer = self.transfer_model.kv_transfer_s(tokens, self.spec.transport) if self.transfer_model else 0.0
+            self._push(self.now + transfer, TRANSFER, (replica, seq))
+        for seq in outcome.finished:
+            self._finish(seq)
+        self._kick(replica)
+        self._retire_if_empty(replica)
+        return len(outcome.finished)
+
+    def _handoff_done(self, source: Replica, seq: SimSeq) -> int:
+        source.engine.free(seq)
+        source.num_held -= 1
+        target = self._targets.pop(id(seq))
+        target.num_inbound -= 1
+        record = self._records_by_seq[id(seq)]
+        seq.first_token_s = self.now
+        record.first_token_s = self.now
+        done = 0
+        if seq.is_finished:
+            seq.finish_s = self.now
+            self._finish(seq)
+            done = 1
+        else:
+            target.engine.add_imported(seq)
+            self._kick(target)
+        self._kick(source)
+        self._retire_if_empty(source)
+        self._retire_if_empty(target)
+        return done
+
+    def _finish(self, seq: SimSeq) -> None:
+        record = self._records_by_seq.pop(id(seq))
+        record.status = "ok"
+        record.first_token_s = record.first_token_s or seq.first_token_s
+        record.finish_s = seq.finish_s
+        record.num_preemptions = seq.num_preemptions
+        for hook in self.observers.on_finish:
+            hook(record, self.now)
+
+    def _scale(self) -> None:
+        desired = self.scaler.desired(self, self.now)  # type: ignore[union-attr]
+        for role, want in desired.items():
+            active = self.active(role)
+            for _ in range(want - len(active)):
+                self.add_replica(role, self.now, self.spec.startup_s)
+            if want < len(active):  # the starting ones first, then the least loaded
+                victims = sorted(active, key=lambda r: (r.ready_s <= self.now, r.engine.has_work,
+                                                        len(r.engine.running), r.replica_id))
+                for replica in victims[: len(active) - want]:
+                    self.drain(replica)
+
+    def replica_seconds(self) -> dict[str, float]:
+        out = {"prefill": 0.0, "decode": 0.0}
+        for r in (*self.retired, *self.replicas):
+            out[r.role] += (r.stopped_s if r.stopped_s is not None else self.now) - r.requested_s
+        return out

@@ -1,0 +1,84 @@
+"""Frozen settings of a simulated system: engines, routers, the cluster's shape, and one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pdserve.placement.policy import PlacementConfig
+
+MODES = ("disaggregated", "colocated")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One replica's engine: the live SchedulerConfig / CacheConfig fields the model needs."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget: decodes (1 each) + prefill chunks
+    enable_chunked_prefill: bool = True
+    num_blocks: int = 4096
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    recent_steps: int = 8  # steps averaged into the stats' recent step time and tokens
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "recent_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs, or prefills could starve")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    num_routers: int = 1
+    pending_grace_s: float = 0.05  # PendingPlacements.grace_s
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    ttft_slo_s: float = 2.0  # the SLOs placement targets (the router's slo_ttft_s / slo_tpot_s)
+    tpot_slo_s: float = 0.2
+    # the router reads the latency profile (router.profile_path); without one, slo_aware falls back to
+    # least_loaded, as the live placer does
+    has_profile: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_routers < 1 or self.pending_grace_s < 0:
+            raise ValueError("num_routers >= 1 and pending_grace_s >= 0")
+
+    @property
+    def poll_s(self) -> float:
+        """Each router polls every replica's stats this often."""
+        return self.placement.stats_poll_period_s
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    num_prefill: int = 1  # ignored when colocated
+    num_decode: int = 1  # colocated: the engines that prefill and decode
+    prefill: EngineSpec = field(default_factory=EngineSpec)
+    decode: EngineSpec = field(default_factory=EngineSpec)
+    router: RouterSpec = field(default_factory=RouterSpec)
+    transport: str = "ucx"  # the profile's transfer model for the KV handoff; absent there: free
+    startup_s: float = 60.0  # a replica the autoscaler adds serves this long after it is asked for
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.num_decode < 1 or (self.mode == "disaggregated" and self.num_prefill < 1):
+            raise ValueError("need at least one decode replica, and one prefill replica when disaggregated")
+        if self.startup_s < 0:
+            raise ValueError("startup_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    block_hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full engine blocks, in order
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise ValueError("a request has at least one prompt token and one output token")

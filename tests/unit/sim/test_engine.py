@@ -1,0 +1,99 @@
+"""Closed-form cases of the simulated engines: one request's TTFT and TPOT, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+from pdserve.placement.policy import PlacementConfig
+from pdserve.sim import ClusterSpec, EngineSpec, RouterSpec, SimRequest, Simulation
+from pdserve.sim.engine import Engine
+
+ROUND_ROBIN = RouterSpec(placement=PlacementConfig(policy="round_robin"))
+
+
+def one(spec: ClusterSpec, profile, prompt: int, output: int):
+    (record,) = Simulation(spec, profile, [SimRequest(0, 0.0, prompt, output)]).run()
+    assert record.status == "ok"
+    return record
+
+
+def test_a_single_disaggregated_request_waits_prefill_plus_transfer(profile):
+    model = profile.for_role("prefill")
+    spec = ClusterSpec(router=ROUND_ROBIN)
+    record = one(spec, profile, 1000, 8)
+    assert record.prefill_replica == "prefill-000" and record.decode_replica == "decode-000"
+    expected = model.prefill_time_s(1000) + model.kv_transfer_s(1000, "ucx")
+    assert abs(record.ttft_s - expected) < 1e-12
+
+
+def test_a_single_request_decodes_at_the_batch_1_step_time(profile):
+    model = profile.for_role("decode")
+    prompt, output = 300, 50
+    record = one(ClusterSpec(router=ROUND_ROBIN), profile, prompt, output)
+    # after the handoff the sequence holds prompt + 1 tokens; each step computes one more
+    steps = [model.decode_step_s(1, prompt + 1 + j) for j in range(output - 1)]
+    assert abs(record.tpot_s - sum(steps) / (output - 1)) < 1e-12
+
+
+def test_colocated_ttft_is_the_prefill_alone(profile):
+    spec = ClusterSpec(mode="colocated", router=ROUND_ROBIN)
+    record = one(spec, profile, 700, 4)
+    assert abs(record.ttft_s - profile.for_role("decode").prefill_time_s(700)) < 1e-12
+
+
+def test_chunked_prefill_splits_by_the_token_budget(profile):
+    engine_spec = EngineSpec(max_num_batched_tokens=256)
+    spec = ClusterSpec(mode="colocated", decode=engine_spec, router=ROUND_ROBIN)
+    record = one(spec, profile, 1000, 1)
+    model = profile.for_role("decode")
+    chunks = [(256, 0), (256, 256), (256, 512), (232, 768)]  # (new tokens, computed before)
+    assert abs(record.ttft_s - sum(model.prefill_time_s(n, c) for n, c in chunks)) < 1e-12
+
+    engine = Engine("e", "colocated", engine_spec, model)
+    engine.add(SimRequest(0, 0.0, 1000, 1))
+    sizes = []
+    while engine.has_work:
+        batch = engine.schedule()
+        sizes.append([n for _, n, _ in batch.prefills])
+        engine.complete(batch, 0.0, 0.0)
+    assert sizes == [[256], [256], [256], [232]]
+
+
+def test_a_placement_chunk_cap_splits_further(profile):
+    engine = Engine("e", "colocated", EngineSpec(max_num_batched_tokens=2048), profile.for_role("decode"))
+    engine.add(SimRequest(0, 0.0, 1000, 1), max_prefill_chunk=400)
+    assert [n for _, n, _ in engine.schedule().prefills] == [400]
+
+
+def test_without_chunking_a_long_prompt_waits_for_a_whole_step_or_runs_alone(profile):
+    engine = Engine("e", "colocated", EngineSpec(max_num_batched_tokens=512, enable_chunked_prefill=False),
+                    profile.for_role("decode"))
+    engine.add(SimRequest(0, 0.0, 300, 1))
+    engine.add(SimRequest(1, 0.0, 300, 1))
+    engine.add(SimRequest(2, 0.0, 2000, 1))
+    first = engine.schedule()
+    assert [n for _, n, _ in first.prefills] == [300]  # the second 300 does not fit the 212 left
+    engine.complete(first, 0.0, 0.0)
+    second = engine.schedule()
+    assert [n for _, n, _ in second.prefills] == [300]
+    engine.complete(second, 0.0, 0.0)
+    assert [n for _, n, _ in engine.schedule().prefills] == [2000]  # oversized: alone in an empty step
+
+
+def test_decode_preempts_when_blocks_run_out_and_every_request_finishes(profile):
+    tight = EngineSpec(num_blocks=64, block_size=16)  # 1024 tokens of KV for 8 requests of up to 400
+    spec = ClusterSpec(prefill=EngineSpec(), decode=tight, router=ROUND_ROBIN)
+    requests = [SimRequest(i, 0.001 * i, 200, 200) for i in range(8)]
+    sim = Simulation(spec, profile, requests)
+    records = sim.run()
+    assert sum(r.num_preemptions for r in records) > 0
+    assert [r.status for r in records] == ["ok"] * 8
+    assert all(r.finish_s is not None and r.finish_s > r.first_token_s for r in records)
+    decode = next(r for r in sim.replicas if r.role == "decode").engine
+    assert decode.num_free_blocks == tight.num_blocks and not decode.has_work
+
+
+def test_disaggregated_prefill_blocks_are_freed_after_the_handoff(profile):
+    sim = Simulation(ClusterSpec(router=ROUND_ROBIN), profile, [SimRequest(i, 0.0, 500, 3) for i in range(5)])
+    sim.run()
+    for replica in sim.replicas:
+        assert replica.engine.num_free_blocks == replica.engine.spec.num_blocks
+        assert replica.num_held == 0 and replica.num_inbound == 0
