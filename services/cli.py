@@ -82,7 +82,8 @@ def _bench(args: argparse.Namespace) -> int:
         from pdserve.bench.transfer import run
 
         sizes = [1, 16] if args.quick else None
-        result = run(sizes_mib=sizes, transports=args.transports.split(",") if args.transports else None)
+        result = run(sizes_mib=sizes, transports=args.transports.split(",") if args.transports else None,
+                     same_host_sizes_mib=[16] if args.quick else None, same_host_repeats=3 if args.quick else 7)
     elif args.target == "linears":
         from pdserve.bench.linears import run
 
@@ -185,7 +186,9 @@ def _library_parser() -> argparse.ArgumentParser:
     bench.add_argument("target", choices=["engine", "kernels", "kvquant", "transfer", "router", "placement", "spec",
                                             "linears", "attention", "structured", "peer"],
                        help="router, placement, peer: flags of their own (pdserve bench router --help)")
-    bench.add_argument("--transports", default=None, help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh")
+    bench.add_argument("--transports", default=None,
+                       help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh,shm,shm-staged (shm: "
+                            "same_host_ratio, the default same-host path against memcpy; shm-staged: its staged lane)")
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     bench.add_argument("--seed", type=int, default=0)

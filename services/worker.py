@@ -56,6 +56,9 @@ class WorkerConfig(BaseModel):
     ucx_host: str | None = None
     # off: CMA on one host (~2x faster here), but a peer dying mid-transfer aborts this process (UCXConfig)
     ucx_endpoint_error_handling: bool = True
+    # ucx transport: a decode replica on the prefill replica's node (same kernel, network namespace and user)
+    # pulls through shared memory instead (pdserve.kvcache.transports.shm); off: always UCX
+    kv_same_host: bool = True
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1.0, ge=0)  # Ray CPUs per replica; also its torch thread count
     label_selector: dict[str, str] = Field(default_factory=dict)  # node labels (compute- vs bandwidth-optimized)
@@ -124,4 +127,11 @@ def build_transport(config: WorkerConfig, engine: AsyncLLMEngine) -> KVTransport
     if config.transport == "redis":
         return create_transport("redis", pool, layout, release, url=config.redis_url, ttl_s=int(config.lease_ttl_s) * 20)
     ucx = UCXConfig.for_pool(pool, endpoint_error_handling=config.ucx_endpoint_error_handling)
-    return create_transport("ucx", pool, layout, release, host=config.resolved_ucx_host(), config=ucx)
+    if not config.kv_same_host:
+        return create_transport("ucx", pool, layout, release, host=config.resolved_ucx_host(), config=ucx)
+    from pdserve.kvcache.transports.same_host import SameHostFirst
+    from pdserve.kvcache.transports.shm import ShmConfig
+
+    remote = create_transport("ucx", pool, layout, host=config.resolved_ucx_host(), config=ucx)
+    local = create_transport("shm", pool, layout, config=ShmConfig())
+    return SameHostFirst(pool, layout, release, remote=remote, local=local)

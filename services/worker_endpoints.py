@@ -44,6 +44,13 @@ class WorkerEndpoints:
     async def stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.stats())
 
+    async def kv_transfer_stats(self) -> dict[str, Any]:
+        """KV pulls by the path they took ("shm", "ucx", "shm_unreachable": shared memory not reachable, so
+        UCX), where the transport chooses one, and the exports it holds."""
+        transport = self.transport
+        return {"pulls_by_path": dict(getattr(transport, "pulls_by_path", {})),
+                "num_exports": transport.num_exports if transport is not None else 0}
+
     async def metrics_snapshot(self, target: dict[str, Any] | None = None) -> dict[str, Any]:
         """`target` ({"replica": id}) only steers the call to this replica; see PlacementRequestRouter."""
         metrics = self.telemetry.metrics

@@ -40,7 +40,7 @@ class Priority(IntEnum):
 class HandoffParams:
     """Where and how a decode worker pulls a request's KV (like vLLM's `kv_transfer_params`)."""
 
-    transport: str  # registry name: "ucx" | "redis" | "local"
+    transport: str  # registry name: "ucx" | "redis" | "local" | "shm"
     layout_hash: int
     lease_id: str  # the prefill side's lease on the blocks
     num_tokens: int  # tokens whose K/V the blocks hold
@@ -51,6 +51,10 @@ class HandoffParams:
     # per-handoff secret the exporter checks (constant time) before serving a pull; "" where the transport
     # has none (redis: access is Redis AUTH). Never in repr, logs or spans.
     secret: str = field(default="", repr=False)
+    # where an importer on the exporter's node may pull through shared memory instead (pdserve.kvcache.
+    # transports.shm): the node's id (kernel boot, network namespace, user) and the exporter's socket name
+    node_id: str | None = None
+    local_address: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))

@@ -40,7 +40,11 @@ def test_prefill_deployment_closes_link_engine_and_transport():
         assert prefill.transport.num_exports == 1
         await prefill.__del__()
         assert not _accepts(link)
-        assert prefill.transport._listener is None  # the UCX listener is closed
+        # the UCX listener and the shared-memory socket are closed (the socket's name is free again)
+        assert prefill.transport.remote._listener is None and prefill.transport.local._listener is None
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        probe.bind("\0" + prefill.transport.local.address)
+        probe.close()
         assert prefill.engine._loop_task is None or prefill.engine._loop_task.done()
 
     asyncio.run(main())

@@ -8,6 +8,7 @@ from pdserve.registry import load
 TRANSPORTS: dict[str, str] = {
     "local": "pdserve.kvcache.transports.local:LocalTransport",
     "redis": "pdserve.kvcache.transports.redis:RedisTransport",
+    "shm": "pdserve.kvcache.transports.shm:ShmTransport",
     "ucx": "pdserve.kvcache.transports.ucx:UCXTransport",
 }
 
