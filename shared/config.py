@@ -9,6 +9,7 @@ import torch
 from pdserve.structured.config import StructuredConfig
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")  # pdserve.models.quantization.QUANTIZATIONS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -90,10 +91,15 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     pack_weights: bool = True  # CPU: linear weights reordered once for oneDNN (pdserve.models.linear)
     structured: StructuredConfig = field(default_factory=StructuredConfig)  # response_format's grammars
+    # weight-only linears: "none" (model dtype) | "auto" (a GGUF's Q4_x/Q8_0 tensors as stored) | "int8" |
+    # "int4" | "fp8" (refused on CPU) - pdserve.models.quant_load
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -43,7 +43,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         max_len = config.scheduler.max_model_len
         model, self.model_config = load_model(
-            model_dir, config.torch_dtype, config.device, max_positions=max_len, pack_weights=config.pack_weights
+            model_dir, config.torch_dtype, config.device, max_positions=max_len, pack_weights=config.pack_weights,
+            quantization=config.quantization,
         )
         self.max_model_len = max_len or self.model_config.max_position_embeddings
         if self.model_config.sliding_window:

@@ -3,7 +3,9 @@
 A `.gguf` (llama.cpp's format: metadata + possibly quantized tensors) is dequantized to float32,
 renamed to HF Llama names and written with its tokenizer as config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json and generation_config.json. From there the ordinary loader
-takes it like any checkpoint. No torch here: the router converts too.
+takes it like any checkpoint. The Q4_0 / Q4_1 / Q8_0 tensors are also kept as stored, their blocks in
+QUANTIZED_FILE (rows in HF order), for the weight-only quantized linears (pdserve.models.quantization).
+No torch here: the router converts too.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any
 import numpy as np
 from pdserve.models.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_config
 
-CONVERTER_VERSION = "gguf-v1"
+CONVERTER_VERSION = "gguf-v2"
+QUANTIZED_FILE = "quantized.safetensors"  # HF name -> [rows, row bytes] uint8 blocks; metadata: name -> type
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 _HASH_SPAN = 16 << 20  # bytes hashed at each end of the file for its identity
 
@@ -97,6 +101,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
     names = [t.name for t in reader.tensors]
     config = hf_config(meta, names)
     weights: dict[str, np.ndarray] = {}
+    blocks: dict[str, np.ndarray] = {}
+    block_types: dict[str, str] = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             raise ValueError(
@@ -104,11 +110,17 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
             )
         hf_name = hf_tensor_name(tensor.name)
         array = dequantize_tensor(tensor)
+        qtype = gguf.GGMLQuantizationType(tensor.tensor_type).name
+        raw = np.asarray(tensor.data) if qtype in BLOCK_TYPES else None  # [rows, row bytes]: rows move whole
         if hf_name.endswith("q_proj.weight"):
             array = unpermute_qk(array, config["num_attention_heads"])
+            raw = unpermute_qk(raw, config["num_attention_heads"]) if raw is not None else None
         elif hf_name.endswith("k_proj.weight"):
             array = unpermute_qk(array, config["num_key_value_heads"])
+            raw = unpermute_qk(raw, config["num_key_value_heads"]) if raw is not None else None
         weights[hf_name] = np.ascontiguousarray(array)
+        if raw is not None:
+            blocks[hf_name], block_types[hf_name] = np.ascontiguousarray(raw), qtype
     expected_rows = config["vocab_size"]
     if weights["model.embed_tokens.weight"].shape != (expected_rows, config["hidden_size"]):
         raise ValueError(
@@ -118,6 +130,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
     source = {"format": "pt", "source": Path(gguf_path).name}
     save_file(weights, str(out_dir / "model.safetensors"), metadata=source)
     del weights
+    if blocks:
+        save_file(blocks, str(out_dir / QUANTIZED_FILE), metadata={**block_types, "format": "ggml-blocks"})
     _write_json(out_dir / "config.json", config)
     (out_dir / "tokenizer.json").write_text(build_tokenizer(meta).to_str(), encoding="utf-8")
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(meta, config["max_position_embeddings"]))

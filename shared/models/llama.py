@@ -118,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
-            if name == "embed_tokens.weight" and self.config.tie_word_embeddings:
+            if name == "embed_tokens.weight" and self.config.tie_word_embeddings and "lm_head.weight" in params:
                 self._copy(params["lm_head.weight"].data, tensor.t(), hf_name)
                 filled.add("lm_head.weight")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
