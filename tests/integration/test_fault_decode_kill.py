@@ -45,9 +45,9 @@ def _body(i: int) -> dict:
             "seed": 1000 + i, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def _stream(client: httpx.AsyncClient, url: str, i: int, progress: list[int]) -> list[dict]:
+async def _stream(client: httpx.AsyncClient, url: str, i: int, progress: list[int], body=_body) -> list[dict]:
     raw = b""
-    async with client.stream("POST", f"{url}/v1/completions", json=_body(i)) as resp:
+    async with client.stream("POST", f"{url}/v1/completions", json=body(i)) as resp:
         assert resp.status_code == 200, await resp.aread()
         async for part in resp.aiter_bytes():
             raw += part
@@ -119,18 +119,6 @@ def _guided_body(i: int) -> dict:
             "response_format": {"type": "json_schema", "json_schema": {"name": "steps", "schema": GUIDED_SCHEMA}}}
 
 
-async def _guided_stream(client: httpx.AsyncClient, url: str, i: int, progress: list[int]) -> list[dict]:
-    raw = b""
-    async with client.stream("POST", f"{url}/v1/completions", json=_guided_body(i)) as resp:
-        assert resp.status_code == 200, await resp.aread()
-        async for part in resp.aiter_bytes():
-            raw += part
-            progress[i] += part.count(b'"text"')
-    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e.strip()]
-    assert events[-1] == b"[DONE]"
-    return [json.loads(e) for e in events[:-1]]
-
-
 def test_guided_streams_on_a_killed_decode_replica_migrate_and_still_validate(url, replica_pids):
     """response_format json_schema, sampled and seeded: the new decode replica rebuilds the grammar state from
     the tokens already sent, so the migrated output is the no-fault output, and it validates."""
@@ -143,7 +131,8 @@ def test_guided_streams_on_a_killed_decode_replica_migrate_and_still_validate(ur
     async def run(kill: bool) -> list[list[dict]]:
         progress = [0] * NUM_REQUESTS
         async with httpx.AsyncClient(timeout=180) as client:
-            tasks = [asyncio.create_task(_guided_stream(client, url, i, progress)) for i in range(NUM_REQUESTS)]
+            tasks = [asyncio.create_task(_stream(client, url, i, progress, _guided_body))
+                     for i in range(NUM_REQUESTS)]
             if kill:
                 while min(progress) < 8 and not all(t.done() for t in tasks):  # every stream is decoding
                     await asyncio.sleep(0.005)

@@ -40,6 +40,30 @@ async def _grpc_text(port: int) -> str:
     return "".join(parts)
 
 
+@contextlib.contextmanager
+def _serving(log_path, *flags: str):
+    """`pdserve serve FLAGS` until /health answers; then one Ctrl-C and its exit awaited (killed after 60 s)."""
+    log = open(log_path, "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.services.cli", "serve", *flags],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    port = flags[flags.index("--port") + 1]
+    try:
+        deadline = time.monotonic() + 150
+        while _get(f"http://127.0.0.1:{port}/health") != 200:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "pdserve serve did not become healthy"
+            time.sleep(1)
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
 def test_pdserve_serve_streams_a_completion_and_shuts_down(tmp_path):
     port, grpc_port = free_port(), free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
@@ -143,32 +167,14 @@ def test_a_redis_url_in_the_config_file_is_used_and_no_local_redis_starts(tmp_pa
                                                       "redis_url": redis_server.url}))
     client = redis.Redis.from_url(redis_server.url)
     before = client.info("stats")["total_commands_processed"]
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.services.cli", "serve", "--config", str(tmp_path / "system.yaml"),
-         "--port", str(port), "--grpc-port", "0"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        deadline = time.monotonic() + 150
-        while _get(f"http://127.0.0.1:{port}/health") != 200:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "pdserve serve did not become healthy"
-            time.sleep(1)
+    with _serving(tmp_path / "serve.log", "--config", str(tmp_path / "system.yaml"), "--port", str(port),
+                  "--grpc-port", "0") as proc:
         body = json.dumps({"model": "tiny", "prompt": "A prompt long enough to take the prefill pool. " * 3,
                            "max_tokens": 4, "ignore_eos": True, "temperature": 0}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as response:
             assert json.loads(response.read())["choices"][0]["finish_reason"] == "length"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
     output = (tmp_path / "serve.log").read_text()
     assert proc.returncode == 0, output[-3000:]
     assert "started a local Redis" not in output and "redis transport" in output, output[-3000:]
