@@ -35,8 +35,8 @@ def chunked_prefill_attention_ref(
         start, end, ctx = int(cu_seqlens_q[n]), int(cu_seqlens_q[n + 1]), int(context_lens[n])
         k = k_cache[block_tables[n]].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
         v = v_cache[block_tables[n]].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
-        query_pos = torch.arange(ctx - (end - start), ctx)[:, None]
-        visible = torch.arange(ctx)[None, :] <= query_pos  # [L, ctx]
+        query_pos = torch.arange(ctx - (end - start), ctx, device=q.device)[:, None]
+        visible = torch.arange(ctx, device=q.device)[None, :] <= query_pos  # [L, ctx]
         scores = torch.einsum("lhd,khd->hlk", q[start:end].float(), k) * scale
         scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = torch.einsum("hlk,khd->lhd", scores.softmax(-1), v).to(q.dtype)
