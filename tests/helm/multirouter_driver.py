@@ -32,11 +32,13 @@ multinode = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(multinode)
 
 CONCURRENCY, REQUESTS, MAX_TOKENS = 8, 64, 96
+MAX_KILL_STREAMS = 24
 
 
-def _stream(base: str, i: int, max_tokens: int = MAX_TOKENS, progress: dict[int, int] | None = None) -> dict[str, Any]:
+def _stream(base: str, i: int, max_tokens: int = MAX_TOKENS, progress: dict[int, int] | None = None,
+            routers: dict[int, str] | None = None) -> dict[str, Any]:
     """One streamed completion over plain HTTP; what came back, and which router answered (`progress`:
-    chunks so far, by `i`, for a watcher)."""
+    chunks so far, by `i`, and `routers`: the answering router, by `i`, for a watcher)."""
     body = json.dumps({"model": "tiny", "prompt": f"Request {i}: the routers share what they placed. " * 2,
                        "max_tokens": max_tokens, "stream": True, "ignore_eos": True}).encode()
     request = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
@@ -44,6 +46,8 @@ def _stream(base: str, i: int, max_tokens: int = MAX_TOKENS, progress: dict[int,
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             out["status"], out["router"] = response.status, response.headers.get("x-pdserve-router")
+            if routers is not None and out["router"]:
+                routers[i] = out["router"]
             for line in response:
                 line = line.strip()
                 if line == b"data: [DONE]":
@@ -108,17 +112,26 @@ def load(base: str) -> dict[str, Any]:
 
 
 def kill_one_router(base: str, router_pids: dict[str, int]) -> dict[str, Any]:
-    """Long streams on both routers; SIGKILL one router replica mid-stream; then new requests until one succeeds."""
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
+    """Long streams on both routers; SIGKILL one router replica mid-stream; then new requests until one succeeds.
+
+    Serve's proxy picks the router replica per request, and it may put a whole burst on one of them: streams
+    are added (up to MAX_KILL_STREAMS) until each router carries at least one, so the kill always cuts some
+    streams and spares others."""
+    with ThreadPoolExecutor(MAX_KILL_STREAMS) as pool:
         progress: dict[int, int] = {}
-        futures = [pool.submit(_stream, base, i, 1500, progress) for i in range(CONCURRENCY)]
+        routers: dict[int, str] = {}
+        futures = [pool.submit(_stream, base, i, 1500, progress, routers) for i in range(CONCURRENCY)]
         deadline = time.monotonic() + 60
-        while len(progress) < CONCURRENCY or min(progress.values()) < 8:  # every stream under way, none near its end
-            if time.monotonic() > deadline:
+        while time.monotonic() < deadline:
+            started = len(progress) == len(futures) and min(progress.values()) >= 8  # none near its end
+            if started and len(set(routers.values())) >= len(router_pids):
                 break
+            if started and len(futures) < MAX_KILL_STREAMS:
+                futures.append(pool.submit(_stream, base, len(futures), 1500, progress, routers))
             time.sleep(0.01)
-        victim, pid = sorted(router_pids.items())[0]
-        os.kill(pid, signal.SIGKILL)
+        carried = sorted(set(routers.values()) & set(router_pids)) or sorted(router_pids)
+        victim = carried[0]
+        os.kill(router_pids[victim], signal.SIGKILL)
         killed_at = time.monotonic()
         first_ok, attempts = None, 0
         while first_ok is None and time.monotonic() - killed_at < 60:
