@@ -80,6 +80,7 @@ class SpeculativeConfig:
 class EngineConfig:
     model: str = "tiny"
     device: str = field(default_factory=default_device)
+    # None: float32 on CPU, bfloat16 on CUDA; "auto": bfloat16 where the hardware has it (pdserve.cpu_caps)
     dtype: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -96,11 +97,19 @@ class EngineConfig:
     quantization: str = "none"
 
     def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
     @property
+    def resolved_dtype(self) -> str:
+        if self.dtype == "auto":
+            from pdserve.cpu_caps import auto_dtype
+
+            return auto_dtype(self.device)
+        return self.dtype or default_dtype(self.device)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype or default_dtype(self.device)]
+        return DTYPES[self.resolved_dtype]
