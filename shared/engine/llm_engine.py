@@ -22,6 +22,7 @@ from pdserve.engine.spec import Drafter
 from pdserve.engine.spec.verify import Verified, verify
 from pdserve.models.loader import load_model
 from pdserve.models.resolve import resolve_model_path
+from pdserve.models.served import served_line
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.structured import GrammarCompiler, Vocabulary
 
@@ -46,6 +47,9 @@ class LLMEngine:
             model_dir, config.torch_dtype, config.device, max_positions=max_len, pack_weights=config.pack_weights,
             quantization=config.quantization,
         )
+        self.served_weights = served_line(model, self.model_config, model_dir, config.quantization,
+                                          config.resolved_dtype, config.dtype, config.device)
+        logger.info("%s", self.served_weights)
         self.max_model_len = max_len or self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
             # No sliding-window attention here: cap the context where full attention is still exact.
