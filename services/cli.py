@@ -29,6 +29,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="gRPC API port; Serve's gRPC proxy listens on every interface (0: no gRPC API)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"],
                    help="KV cache values on both roles: auto (the model dtype, default), int8 or fp8_e4m3")
+    p.add_argument("--quantization", choices=["none", "auto", "int8", "int4", "fp8"],
+                   help="weight-only linears on both roles (the config file can set each role's): none (default, "
+                   "the model dtype), auto (a GGUF's Q4/Q8 tensors as stored), int8, int4, fp8 (GPU only)")
     p.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
     p.add_argument("--api-key-file", help="require a Bearer key listed in this file (one per line)")
     p.add_argument("--ingress", choices=["direct", "proxy"], default="direct",
@@ -69,7 +72,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.target == "engine":
         from pdserve.bench.engine import run
 
-        result = run(quick=args.quick, seed=args.seed, model=args.model, pack_weights=not args.no_pack_weights)
+        result = run(quick=args.quick, seed=args.seed, model=args.model, pack_weights=not args.no_pack_weights,
+                     quantization=args.quantization)
     elif args.target == "kernels":
         from pdserve.bench.kernels import run
 
@@ -140,9 +144,9 @@ def _plan(args: argparse.Namespace) -> int:
         rate_rps=args.rate, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
         dtype=args.dtype,
         memory_utilization=args.memory_utilization, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
-        packed_weights=args.packed_weights,
+        packed_weights=args.packed_weights, quantization=args.quantization,
     )
-    hardware = (config, args.dtype, args.flops, args.bandwidth, args.kv_cache_dtype)
+    hardware = (config, args.dtype, args.flops, args.bandwidth, args.kv_cache_dtype, args.quantization)
     try:
         prefill, source = latency_model_for(args.profile, "prefill", *hardware)
         decode, _ = latency_model_for(args.profile, "decode", *hardware)
@@ -194,6 +198,9 @@ def _library_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--no-pack-weights", action="store_true",
                        help="engine, spec: CPU linears through MKL only (no oneDNN-packed copy), for attribution")
+    bench.add_argument("--quantization", choices=["none", "auto", "int8", "int4"], default="none",
+                       help="engine: pdserve's weight-only linears (HF stays fp32); roofline_fraction_b1 counts "
+                            "the bytes the served weights and the KV cache read")
     bench.add_argument("--model", default=None,
                        help="engine: a model name or path (default: a random 125M Llama built in the cache)")
     bench.set_defaults(func=_bench)
@@ -218,6 +225,9 @@ def _library_parser() -> argparse.ArgumentParser:
     pl.add_argument("--packed-weights", action="store_true",
                     help="CPU serving (float32/bfloat16, pack_weights on, the default): count the oneDNN copy "
                          "each linear weight keeps beside the plain one")
+    pl.add_argument("--quantization", choices=["none", "int8", "int4", "fp8"], default="none",
+                    help="weight-only linears: bytes per parameter held and read (pdserve.plan.QUANT_WEIGHT_BYTES); "
+                         "int4 keeps the LM head at 8 bits")
     pl.add_argument("--ttft-ms", type=float, required=True)
     pl.add_argument("--tpot-ms", type=float, required=True)
     pl.add_argument("--profile", default=None, help="profile file from `pdserve profile`")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 if TYPE_CHECKING:  # the config validates without torch (`pdserve serve` refuses a bad file before any import)
     from pdserve.config import EngineConfig, SpeculativeConfig
@@ -37,7 +37,12 @@ class WorkerConfig(BaseModel):
 
     model: str = "tiny"
     device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    # None: float32 on CPU (bfloat16 on CUDA); "auto": bfloat16 where the CPU has AVX-512 BF16 or AMX-BF16
+    # (or on CUDA), float32 elsewhere (pdserve.cpu_caps)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    # weight-only linears (pdserve.models.quant_load): none (the model dtype) | auto (a GGUF's Q4_x / Q8_0
+    # tensors as stored) | int8 | int4 | fp8 (needs a GPU with FP8)
+    quantization: Literal["none", "auto", "int8", "int4", "fp8"] = "none"
     block_size: int = Field(16, ge=1)
     kv_memory_bytes: int = Field(256 << 20, ge=1 << 20)
     num_blocks: int | None = Field(None, ge=1)
@@ -77,6 +82,14 @@ class WorkerConfig(BaseModel):
     # n-gram speculative decoding in this role's engine (decode); None: off
     speculative: SpeculativeSettings | None = None
 
+    @field_validator("quantization")
+    @classmethod
+    def _fp8_needs_a_gpu(cls, value: str, info: ValidationInfo) -> str:
+        device = info.data.get("device", "cpu")
+        if value == "fp8" and not device.startswith("cuda"):
+            raise ValueError(f"fp8 weights need a GPU with FP8; device {device!r} has none (int8 or int4 run on CPU)")
+        return value
+
     def resolved_ucx_host(self) -> str:
         return self.ucx_host or os.environ.get(UCX_HOST_ENV) or "127.0.0.1"
 
@@ -84,7 +97,8 @@ class WorkerConfig(BaseModel):
         from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
         return EngineConfig(
-            model=self.model, device=self.device, dtype=self.dtype, lease_ttl_s=self.lease_ttl_s,
+            model=self.model, device=self.device, dtype=self.dtype, quantization=self.quantization,
+            lease_ttl_s=self.lease_ttl_s,
             num_threads=max(1, int(self.num_cpus)),
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               memory_budget_bytes=self.kv_memory_bytes,
@@ -115,6 +129,16 @@ class WorkerConfig(BaseModel):
 
             options["request_router_config"] = RequestRouterConfig(request_router_class=request_router_class)
         return options
+
+
+def start_engine(config: WorkerConfig, role: str) -> AsyncLLMEngine:
+    """The role's engine, and one line on stdout (Ray relays it to the driver: `pdserve serve`'s output)
+    naming the weights and activations it serves."""
+    from pdserve.engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_config(config.engine_config())
+    print(f"{role} replica: {engine.engine.served_weights}", flush=True)
+    return engine
 
 
 def build_transport(config: WorkerConfig, engine: AsyncLLMEngine) -> KVTransport:

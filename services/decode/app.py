@@ -22,7 +22,7 @@ from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.streams import merged
 from pdserve.observability.telemetry import Telemetry
-from pdserve.services.worker import WorkerConfig, build_transport
+from pdserve.services.worker import WorkerConfig, build_transport, start_engine
 from pdserve.worklink import LinkServer
 
 
@@ -30,7 +30,7 @@ from pdserve.worklink import LinkServer
 class DecodeDeployment(WorkerEndpoints):
     def __init__(self, config: dict[str, Any], engine: AsyncLLMEngine | None = None) -> None:
         self.config = WorkerConfig.model_validate(config)
-        self.engine = engine or AsyncLLMEngine.from_config(self.config.engine_config())
+        self.engine = engine or start_engine(self.config, "decode")
         self.transport = build_transport(self.config, self.engine)
         self.importer = KVImporter(self.engine, self.transport)
         self.prefix_puller = PrefixPuller.over(self.engine, self.transport)

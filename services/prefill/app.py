@@ -19,7 +19,7 @@ from pdserve.engine.prefix_pull import PrefixPuller
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.observability.telemetry import Telemetry
-from pdserve.services.worker import WorkerConfig, build_transport
+from pdserve.services.worker import WorkerConfig, build_transport, start_engine
 from pdserve.worklink import LinkServer
 
 
@@ -27,7 +27,7 @@ from pdserve.worklink import LinkServer
 class PrefillDeployment(WorkerEndpoints):
     def __init__(self, config: dict[str, Any], engine: AsyncLLMEngine | None = None) -> None:
         self.config = WorkerConfig.model_validate(config)
-        self.engine = engine or AsyncLLMEngine.from_config(self.config.engine_config())
+        self.engine = engine or start_engine(self.config, "prefill")
         self.transport = build_transport(self.config, self.engine)
         self.exporter = KVExporter(self.engine, self.transport)
         self.prefix_puller = PrefixPuller.over(self.engine, self.transport)
