@@ -22,6 +22,13 @@ from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, Pre
 from pdserve.models.config import ModelConfig, model_config_from_hf
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# weight-only quantized linears (pdserve.models.quant_linear), bytes per parameter with groups of 32:
+# (held in memory, read by a batch-1 decode step). int4: 4-bit codes + bfloat16 kernel scale and zero per
+# group (0.5 + 4/32) read, + float32 exact scale and offset per group (8/32) held for the dequantizing path.
+# int8: a GGUF Q8_0's two 4-bit planes (1 + 8/32 read, + 8/32 held); a float checkpoint's per-channel int8
+# reads about 1.0. fp8: 1 byte and a per-channel scale (GPU only; not served yet).
+QUANT_WEIGHT_BYTES = {"int4": (0.875, 0.625), "int8": (1.5, 1.25), "fp8": (1.0, 1.0)}
+PLAN_QUANTIZATIONS = ("none", *QUANT_WEIGHT_BYTES)
 # quantized KV caches: bytes per value, and float16 scale bytes per (token, layer, K/V, KV head)
 KV_VALUE_BYTES = {"int8": 1, "fp8_e4m3": 1}
 KV_SCALE_BYTES = 2
@@ -80,19 +87,43 @@ def num_packed_parameters(config: ModelConfig) -> int:
     return config.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + h * config.vocab_size
 
 
+def weight_bytes(config: ModelConfig, dtype: str, quantization: str = "none",
+                 packed_weights: bool = False) -> tuple[int, int]:
+    """(bytes the weights hold, bytes a batch-1 decode step reads). The step reads every linear (the LM head
+    included, a copy of its own even when tied to the embedding), norms and biases, and one embedding row per
+    token (not counted). Quantized: the linears at QUANT_WEIGHT_BYTES (int4 keeps the LM head at 8 bits, as the
+    loader does), the rest in `dtype`; a quantized linear is never packed."""
+    if quantization not in PLAN_QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {PLAN_QUANTIZATIONS}, got {quantization!r}")
+    b = DTYPE_BYTES[dtype]
+    embedding = head = config.vocab_size * config.hidden_size
+    linears = num_packed_parameters(config) - head  # the decoder layers'
+    rest = num_parameters(config) - linears - embedding * (1 if config.tie_word_embeddings else 2)  # norms, biases
+    if quantization == "none":
+        read = (linears + head + rest) * b
+        return read + embedding * b + ((linears + head) * b if packed_weights else 0), read
+    held, read = QUANT_WEIGHT_BYTES[quantization]
+    head_held, head_read = QUANT_WEIGHT_BYTES["int8" if quantization == "int4" else quantization]
+    return (round(linears * held + head * head_held + (rest + embedding) * b),
+            round(linears * read + head * head_read + rest * b))
+
+
 def roofline_model(
-    config: ModelConfig, dtype_bytes: int, flops: float, bandwidth: float, kv_cache_dtype: str = "auto"
+    config: ModelConfig, dtype_bytes: int, flops: float, bandwidth: float, kv_cache_dtype: str = "auto",
+    read_bytes: int | None = None,
 ) -> LatencyModel:
     """Latency model with no measurements: compute time from `flops` (FLOP/s), memory time from
     `bandwidth` (bytes/s), added rather than overlapped (a pessimistic roofline).
 
     prefill: one pass over the streamed weights, 2·P FLOPs per token (P: parameters outside the
     embedding table), causal attention 4·layers·q_size·(n²/2 + n·cached). decode step: one weight
-    pass, 2·P FLOPs per sequence, and every context token's K/V read once (at the KV cache dtype's size).
+    pass (`read_bytes`: what the served weights read, from `weight_bytes`; None: the streamed parameters at
+    `dtype_bytes`), 2·P FLOPs per sequence, and every context token's K/V read once (at the KV cache dtype's
+    size).
     """
     kv_bytes = kv_bytes_per_token(config, dtype_bytes, kv_cache_dtype)
     streamed = num_parameters(config) - config.vocab_size * config.hidden_size
-    weight_pass = streamed * dtype_bytes / bandwidth
+    weight_pass = (streamed * dtype_bytes if read_bytes is None else read_bytes) / bandwidth
     per_token = 2 * streamed / flops
     attention = 4 * config.num_layers * config.q_size / flops
     return LatencyModel(
@@ -115,13 +146,15 @@ class PlanInput:
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # "int8" | "fp8_e4m3": values of 1 byte plus a float16 scale per token and head
     packed_weights: bool = False  # CPU serving with EngineConfig.pack_weights: a second copy of each linear weight
+    quantization: str = "none"  # weight-only linears: "int4" | "int8" | "fp8" (QUANT_WEIGHT_BYTES)
 
 
 @dataclass(frozen=True)
 class Plan:
     latency_source: str  # "profile" | "roofline"
     num_parameters: int
-    weight_bytes: int
+    weight_bytes: int  # held in memory
+    weight_read_bytes: int  # read by one decode step at batch 1
     kv_bytes_per_token: int
     kv_bytes_per_request: int
     kv_pool_bytes: int
@@ -149,7 +182,7 @@ def plan(
 ) -> Plan:
     dtype_bytes = DTYPE_BYTES[inp.dtype]
     params = num_parameters(config)
-    weights = (params + (num_packed_parameters(config) if inp.packed_weights else 0)) * dtype_bytes
+    weights, read = weight_bytes(config, inp.dtype, inp.quantization, inp.packed_weights)
     per_token = kv_bytes_per_token(config, dtype_bytes, inp.kv_cache_dtype)
     length = inp.prompt_tokens + inp.output_tokens
     pool = max(0, int(inp.memory_bytes * inp.memory_utilization) - weights)
@@ -185,7 +218,7 @@ def plan(
     need_d = inp.rate_rps / decode_rps if decode_rps else math.inf
     ratio = f"{math.ceil(need_p)}:{math.ceil(need_d)}" if math.isfinite(need_p + need_d) else "infeasible"
     return Plan(
-        latency_source=latency_source, num_parameters=params, weight_bytes=weights,
+        latency_source=latency_source, num_parameters=params, weight_bytes=weights, weight_read_bytes=read,
         kv_bytes_per_token=per_token,
         kv_bytes_per_request=per_token * length, kv_pool_bytes=pool, max_kv_tokens=max_tokens,
         max_context_tokens=min(max_tokens, config.max_position_embeddings), max_batch_memory=max_batch_memory,
@@ -198,7 +231,7 @@ def plan(
 
 def latency_model_for(args_profile: str | None, role: str, config: ModelConfig, dtype: str,
                       flops: float | None, bandwidth: float | None,
-                      kv_cache_dtype: str = "auto") -> tuple[LatencyModel, str]:
+                      kv_cache_dtype: str = "auto", quantization: str = "none") -> tuple[LatencyModel, str]:
     """A profiled model carries its measured fits; with a quantized `kv_cache_dtype` its KV size per token
     (the handoff transfer term) becomes the quantized one, while its decode fit stays as measured."""
     if args_profile:
@@ -208,7 +241,8 @@ def latency_model_for(args_profile: str | None, role: str, config: ModelConfig, 
         return model, "profile"
     if not flops or not bandwidth:
         raise ValueError("without --profile, pass --flops and --bandwidth for a roofline estimate")
-    return roofline_model(config, DTYPE_BYTES[dtype], flops, bandwidth, kv_cache_dtype), "roofline"
+    read = weight_bytes(config, dtype, quantization)[1]
+    return roofline_model(config, DTYPE_BYTES[dtype], flops, bandwidth, kv_cache_dtype, read), "roofline"
 
 
 def render(p: Plan, inp: PlanInput) -> str:
@@ -216,7 +250,9 @@ def render(p: Plan, inp: PlanInput) -> str:
     lines = [
         f"latency model: {p.latency_source}",
         f"parameters {p.num_parameters / 1e6:.1f}M, weights {p.weight_bytes / gib:.2f} GiB ({inp.dtype}"
-        f"{', linears packed twice' if inp.packed_weights else ''})",
+        f"{f', linears {inp.quantization}' if inp.quantization != 'none' else ''}"
+        f"{', linears packed twice' if inp.packed_weights and inp.quantization == 'none' else ''}), "
+        f"{p.weight_read_bytes / 2**20:.1f} MiB read per decode step",
         f"KV per token {p.kv_bytes_per_token} B ({inp.kv_cache_dtype}), per request "
         f"({inp.prompt_tokens}+{inp.output_tokens} tokens) "
         f"{p.kv_bytes_per_request / 2**20:.2f} MiB",

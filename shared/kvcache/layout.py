@@ -18,6 +18,7 @@ class LayoutMismatch(ValueError):
 
 @dataclass(frozen=True)
 class KVLayout:
+    # weight quantization is not part of it: KV values are in the activation dtype or kv_cache_dtype either way
     model_fingerprint: str  # hash of the model config (architecture and shapes)
     dtype: str  # of the stored values: "float32" | "bfloat16" | "float16" | "int8" | "float8_e4m3fn"
     num_layers: int
