@@ -1,7 +1,9 @@
 """`pdserve bench engine`: pdserve against HF transformers `generate`, fp32, CPU.
 
 The default model is a ~125M random Llama; `--model` takes any name `resolve_model_path` knows. A GGUF
-model is dequantized once into an HF directory, and both engines load that same directory.
+model is dequantized once into an HF directory, and both engines load that same directory. `--quantization`
+serves pdserve's linears quantized (HF stays fp32); the roofline fractions count the bytes the served weights
+and the KV cache actually read per decode step.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 from pdserve.bench.roofline import gemv_bandwidth_gb_s, read_bandwidth_gb_s
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLM
+from pdserve.engine.model_runner import kv_block_bytes
+from pdserve.models.served import decode_read_bytes
 from pdserve.models.resolve import resolve_model_path, served_model_name
 from pdserve.models.tiny import default_cache_dir, ensure_tiny_checkpoint
 from pdserve.sampling_params import SamplingParams
@@ -63,6 +67,16 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
 
 
+def decode_step_read_bytes(llm: LLM, context_tokens: float) -> dict[str, int]:
+    """Bytes one batch-1 decode step reads at a context of `context_tokens`: the served weights (quantized
+    codes and kernel scales, or float weights; pdserve.models.served) and every context token's K/V."""
+    engine = llm.engine
+    block_size = engine.block_manager.block_size
+    kv_per_token = kv_block_bytes(engine.model_config, block_size, engine.config.torch_dtype,
+                                  engine.config.cache.kv_cache_dtype) // block_size
+    return {"weights": decode_read_bytes(engine.runner.model), "kv": round(kv_per_token * context_tokens)}
+
+
 def _pdserve_run(llm: LLM, workload: list[tuple[list[int], int]]) -> float:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in workload]
     start = time.perf_counter()
@@ -91,7 +105,8 @@ def _hf_run(model, workload: list[tuple[list[int], int]], batch_size: int) -> fl
     return time.perf_counter() - start
 
 
-def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weights: bool = True) -> dict:
+def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weights: bool = True,
+        quantization: str = "none") -> dict:
     import transformers
 
     path = build_bench_model() if model is None else resolve_model_path(model)
@@ -105,8 +120,12 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
         model=str(path), device="cpu", dtype="float32",
         cache=CacheConfig(block_size=16, memory_budget_bytes=2 << 30, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048), pack_weights=pack_weights,
+        quantization=quantization,
     ))
-    weight_bytes = streamed_weight_bytes(llm.engine.runner.model)
+    _log(llm.engine.served_weights)
+    # b1: 256 prompt tokens, then decode steps at contexts 257 .. 383 (mean 320)
+    read = decode_step_read_bytes(llm, len(b1[0][0]) + b1[0][1] / 2)
+    weight_bytes, step_bytes = read["weights"], read["weights"] + read["kv"]
     _pdserve_run(llm, [(b1[0][0], 8)])  # warm-up
     pd_b1 = min(_pdserve_run(llm, b1) for _ in range(2))
     _log(f"pdserve b1 {128 / pd_b1:.1f} tok/s")
@@ -126,10 +145,12 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
     pd_b1_tok_s = 128 / pd_b1
     return {
         "bench": "engine",
-        "model": f"{label} fp32 cpu",
+        "model": f"{label} fp32 cpu" + (f" {quantization}" if quantization != "none" else ""),
+        "quantization": quantization,
         "threads": threads,
         "pack_weights": pack_weights,
-        "weight_bytes": weight_bytes,
+        "weight_bytes": weight_bytes,  # read per decode step by the served weights
+        "kv_read_bytes_b1": read["kv"],  # per decode step, at the b1 run's mean context
         "num_mixed_requests": len(mixed),
         "mixed_output_tokens": mixed_tokens,
         "pdserve_tok_s_b1": round(pd_b1_tok_s, 2),
@@ -140,6 +161,6 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
         "ratio_mixed": round(hf_mixed / pd_mixed, 3),
         "mem_bw_gb_s": round(mem_bw, 2),
         "gemv_bw_gb_s": round(gemv_bw, 2),
-        "roofline_fraction_b1": round(pd_b1_tok_s * weight_bytes / 1e9 / mem_bw, 3),
-        "gemv_fraction_b1": round(pd_b1_tok_s * weight_bytes / 1e9 / gemv_bw, 3),
+        "roofline_fraction_b1": round(pd_b1_tok_s * step_bytes / 1e9 / mem_bw, 3),
+        "gemv_fraction_b1": round(pd_b1_tok_s * step_bytes / 1e9 / gemv_bw, 3),
     }
