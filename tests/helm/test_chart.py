@@ -209,3 +209,22 @@ def test_crd_schema_rejects_a_wrong_type(render, rayservice_schema):
     rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "two"
     with pytest.raises(jsonschema.ValidationError):
         rayservice_schema.validate(rs)
+
+
+def test_quantization_per_role_renders_into_the_serve_config(render, helm):
+    """`prefill.worker.quantization` / `decode.worker.quantization` reach each role's WorkerConfig and its
+    engine; a value the engine does not know is refused by the chart's schema."""
+    from pdserve.services.serve_builder import system_config
+
+    rs = _rayservice(render(sets=["prefill.worker.quantization=int8", "decode.worker.quantization=auto",
+                                  "decode.worker.dtype=auto"]))
+    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][-1]["args"]
+    config = system_config(args, {"PDSERVE_REDIS_PASSWORD": "x"})
+    assert config.worker("prefill").engine_config().quantization == "int8"
+    decode = config.worker("decode").engine_config()
+    assert (decode.quantization, decode.dtype) == ("auto", "auto")
+    default = yaml.safe_load(_rayservice(render())["spec"]["serveConfigV2"])["applications"][-1]["args"]
+    assert "quantization" not in default["decode"]  # the engine's default (none) applies
+    result = subprocess.run([helm, "template", "pdserve", str(CHART), "--set", "decode.worker.quantization=int3"],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "quantization" in result.stderr, result.stderr
