@@ -20,6 +20,7 @@ BATCHES = (1, 32, 128)
 CONTEXTS = (512, 4096, 16384)
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
+SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _log(message: str) -> None:
@@ -98,6 +99,12 @@ def _case(
     decode()
     max_abs_diff = (out.float() - sdpa().reshape(out.shape).float()).abs().max().item()
     decode_ms = cuda_time_ms(decode, iters, flush=flush)
+    sweep = {}  # the split heuristic against every split count, so that choose_num_splits can be checked
+    for n in SPLIT_SWEEP:
+        sweep[n] = round(cuda_time_ms(lambda n=n: paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, scale, max_context_len=context, out=out, num_splits=n),
+            iters, flush=flush), 4)
+    best = min(sweep, key=sweep.get)
     sdpa_ms = cuda_time_ms(sdpa, iters, flush=flush)
     gather_ms = cuda_time_ms(sdpa_with_gather, iters, flush=flush)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * pool.element_size()
@@ -113,6 +120,8 @@ def _case(
         "speedup_vs_sdpa": round(sdpa_ms / decode_ms, 2),
         "speedup_vs_sdpa_with_gather": round(gather_ms / decode_ms, 2),
         "max_abs_diff_vs_sdpa": max_abs_diff,
+        "splits_sweep_ms": sweep, "best_num_splits": best,
+        "chosen_over_best": round(decode_ms / sweep[best], 2),
     }
 
 
