@@ -1,0 +1,37 @@
+"""`pdserve serve --quantization auto` with the default model (SmolLM2's Q4_1 GGUF): it answers a chat
+request, and its output names what each replica serves and the configured quantization."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pdserve.runtime.redis_server import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_serve_cli import _serving  # noqa: E402
+
+pytest.importorskip("ray")
+
+
+def test_serve_quantization_auto_answers_and_says_what_it_serves(tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with _serving(log, "--port", str(port), "--grpc-port", "0", "--quantization", "auto"):
+        body = json.dumps({"model": "smollm2-135m-instruct", "max_tokens": 12, "temperature": 0,
+                           "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.load(response)["choices"][0]["message"]["content"]
+    output = log.read_text()
+    assert answer.strip(), output[-3000:]
+    assert "quantization: prefill auto, decode auto) at" in output, output[-3000:]
+    for role in ("prefill", "decode"):
+        assert (f"{role} replica: quantization auto: 120 linears int4 (GGUF Q4_1, kernel int4), 1 linears int8 "
+                "(GGUF Q8_0, kernel int8_split); embedding from GGUF blocks (Q8_0)") in output, output[-3000:]
+    assert "activations float32 (dtype default; CPU has" in output
