@@ -95,12 +95,19 @@ class EngineConfig:
     # weight-only linears: "none" (model dtype) | "auto" (a GGUF's Q4_x/Q8_0 tensors as stored) | "int8" |
     # "int4" | "fp8" (refused on CPU) - pdserve.models.quant_load
     quantization: str = "none"
+    # ranks of one replica splitting every layer's heads and MLP (pdserve.models.tensor_parallel); CPU/gloo
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and (self.quantization != "none" or not self.device.startswith("cpu")):
+            raise ValueError("tensor_parallel_size > 1 runs unquantized weights on CPU (gloo) only, got "
+                             f"quantization={self.quantization!r} on device {self.device!r}")
 
     @property
     def resolved_dtype(self) -> str:

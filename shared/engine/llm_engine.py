@@ -20,9 +20,12 @@ from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec import Drafter
 from pdserve.engine.spec.verify import Verified, verify
+from pdserve.engine.tp_group import TensorParallelModel
+from pdserve.models.config import load_model_config
 from pdserve.models.loader import load_model
 from pdserve.models.resolve import resolve_model_path
 from pdserve.models.served import served_line
+from pdserve.models.tensor_parallel import check_tensor_parallel
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.structured import GrammarCompiler, Vocabulary
 
@@ -43,9 +46,12 @@ class LLMEngine:
         model_dir = resolve_model_path(config.model)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         max_len = config.scheduler.max_model_len
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            check_tensor_parallel(load_model_config(model_dir), tp)  # refused before any weight is read
         model, self.model_config = load_model(
-            model_dir, config.torch_dtype, config.device, max_positions=max_len, pack_weights=config.pack_weights,
-            quantization=config.quantization,
+            model_dir, config.torch_dtype, config.device, max_positions=max_len,
+            pack_weights=config.pack_weights and tp == 1, quantization=config.quantization,
         )
         self.served_weights = served_line(model, self.model_config, model_dir, config.quantization,
                                           config.resolved_dtype, config.dtype, config.device)
@@ -59,8 +65,14 @@ class LLMEngine:
             1, config.cache.memory_budget_bytes
             // kv_block_bytes(self.model_config, block_size, config.torch_dtype, config.cache.kv_cache_dtype)
         )
+        runner_config = self.model_config
+        self.tensor_parallel: TensorParallelModel | None = None
+        if tp > 1:
+            # the driver's pool holds its own heads; num_blocks sized on the full model's block bytes
+            model = self.tensor_parallel = TensorParallelModel(model, config, str(model_dir), num_blocks, max_len)
+            runner_config = model.local_config
         self.runner = ModelRunner(
-            model, self.model_config, block_size, num_blocks, config.torch_dtype, config.device,
+            model, runner_config, block_size, num_blocks, config.torch_dtype, config.device,
             attention_override=config.attention_backend, kv_cache_dtype=config.cache.kv_cache_dtype,
         )
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
@@ -87,6 +99,8 @@ class LLMEngine:
     def add_request(self, request: GenerationRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        if self.tensor_parallel is not None and (request.prefill_only or request.adopt_lease_id is not None):
+            raise ValueError("KV handoff is not supported with tensor_parallel_size > 1 yet")
         prompt = list(request.prompt_token_ids)
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
@@ -159,6 +173,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any (idempotent; also done at interpreter exit)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     @property
     def grammars(self) -> GrammarCompiler:
