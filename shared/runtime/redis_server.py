@@ -127,7 +127,7 @@ class RedisServer:
             stdin = f'requirepass "{quoted}"\n'
         log = open(self.log_file, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=_die_with_parent, start_new_session=True)
         log.close()
         self.proc.stdin.write(stdin.encode())
         self.proc.stdin.close()

@@ -133,6 +133,8 @@ class MakeServe:
             time.sleep(0.5)
         assert not left, "processes left behind:\n" + "\n".join(left)
         assert not _port_taken(PORT), f"port {PORT} still taken after Ctrl-C"
+        # the terminal's SIGINT reaches the whole group: Redis must be stopped by pdserve, not killed and restarted
+        assert "restarting it on port" not in self.output, self.output[-4000:]
 
 
 @pytest.fixture
