@@ -1,5 +1,8 @@
 """Which layers of a loaded model are served quantized, and building them.
 
+On CUDA the linears are pdserve.models.quant_linear_cuda's (Triton int4/int8, FP8 via _scaled_mm);
+quantization "fp8" is served there only, on FP8 hardware, every Linear but the LM head from float weights.
+
 GGUF-converted directories carry the file's Q4_0 / Q4_1 / Q8_0 blocks (pdserve.models.gguf.QUANTIZED_FILE):
 linears taken from blocks are built from them before the float weights load, and their float32 copies
 are never read. Float-sourced linears (HF checkpoints) load as usual and are then rounded to nearest.
@@ -18,6 +21,7 @@ from pdserve.models.config import ModelConfig
 from pdserve.models.gguf import QUANTIZED_FILE
 from pdserve.models.linear import Linear
 from pdserve.models.quant_linear import QuantEmbedding, QuantLinear
+from pdserve.models.quant_linear_cuda import CudaQuantLinear, quant_linear_for
 from pdserve.models.quantization import (
     GROUP_SIZE,
     QuantizedWeight,
@@ -77,7 +81,7 @@ class QuantPlan:
         for plan, how in ((self.from_blocks, "GGUF blocks"), (self.from_float, "round-to-nearest")):
             for name, bits in plan.items():
                 types = "/".join(sorted({self.block_types.get(s, "float") for s in self.sources[name]}))
-                key = f"int{bits} from {how} ({types})"
+                key = f"{'fp8' if self.mode == 'fp8' else f'int{bits}'} from {how} ({types})"
                 counts[key] = counts.get(key, 0) + 1
         parts = ", ".join(f"{n} linears {k}" for k, n in sorted(counts.items()))
         embedding = (
@@ -86,8 +90,15 @@ class QuantPlan:
         return f"quantization={self.mode}: {parts}; {embedding}"
 
 
-def plan_quantization(model: nn.Module, config: ModelConfig, model_dir: Path, mode: str) -> QuantPlan:
-    """Decide each Linear's format; refuses (ValueError, naming the tensor) what cannot be served."""
+def plan_quantization(
+    model: nn.Module, config: ModelConfig, model_dir: Path, mode: str, device: torch.device | str | None = None
+) -> QuantPlan:
+    """Decide each Linear's format; refuses (ValueError, naming the tensor) what cannot be served.
+    device: where the model is served (default: where its parameters are)."""
+    if device is None:
+        device = next(model.parameters(), torch.empty(0)).device
+    if mode == "fp8" and torch.device(device).type == "cuda":
+        return _plan_fp8(model, config, device)
     target_bits(mode, "F32")  # refuses an unknown mode, and fp8 on CPU
     if mode == "none":
         return QuantPlan(mode)
@@ -113,6 +124,19 @@ def plan_quantization(model: nn.Module, config: ModelConfig, model_dir: Path, mo
     return QuantPlan(mode, from_blocks, from_float, block_types, sources, embedding)
 
 
+def _plan_fp8(model: nn.Module, config: ModelConfig, device: torch.device | str) -> QuantPlan:
+    from pdserve.kernels.fp8_matmul import fp8_refusal
+
+    if (reason := fp8_refusal(device)) is not None:
+        raise ValueError(f"quantization 'fp8': {reason}")
+    sources = {
+        name: linear_sources(name, config)
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and name != "lm_head"
+    }
+    return QuantPlan("fp8", from_float=dict.fromkeys(sources, 8), sources=sources)
+
+
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
@@ -133,9 +157,11 @@ def apply_blocks(model: nn.Module, model_dir: Path, plan: QuantPlan, dtype: torc
             fused = concat([p.widened() if bits == 8 else p for p in parts])
             if bits == 4 and fused.bits == 8:  # int4 asked of a Q8_0 tensor: round to nearest, group 32
                 fused = quantize_rtn(fused.dequantize(), 4, GROUP_SIZE, plan.sources[name][0])
-            _set_module(model, name, QuantLinear(fused, linear.bias, plan.sources[name][0]))
+            source = plan.sources[name][0]
+            _set_module(model, name, quant_linear_for(fused, linear.bias, source, linear.weight.device))
         if plan.embedding_from_blocks:
-            _set_module(model, "embed_tokens", QuantEmbedding(weight(EMBEDDING), dtype))
+            device = next(model.parameters()).device
+            _set_module(model, "embed_tokens", QuantEmbedding(weight(EMBEDDING), dtype).to(device))
 
 
 def apply_float(model: nn.Module, plan: QuantPlan) -> None:
@@ -144,17 +170,20 @@ def apply_float(model: nn.Module, plan: QuantPlan) -> None:
         linear = model.get_submodule(name)
         weight = linear.weight.detach().t()  # ours [in, out] -> [out, in]
         source = plan.sources[name][0]
+        if plan.mode == "fp8":
+            _set_module(model, name, CudaQuantLinear.from_float_fp8(weight, linear.bias, weight.device))
+            continue
         q = (
             quantize_rtn(weight, 4, GROUP_SIZE, source)
             if bits == 4
             else quantize_rtn_symmetric(weight, source)
         )
-        _set_module(model, name, QuantLinear(q, linear.bias, source))
+        _set_module(model, name, quant_linear_for(q, linear.bias, source, weight.device))
 
 
 def quantized_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes held by quantized modules and by the float parameters left."""
-    quant = sum(m.nbytes() for m in model.modules() if isinstance(m, QuantLinear))
+    quant = sum(m.nbytes() for m in model.modules() if isinstance(m, (QuantLinear, CudaQuantLinear)))
     quant += sum(
         b.numel() * b.element_size()
         for m in model.modules()

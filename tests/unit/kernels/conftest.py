@@ -13,7 +13,7 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-for _name in ("store_kvcache", "paged_decode", "chunked_prefill", "paged_attention"):
+for _name in ("store_kvcache", "paged_decode", "chunked_prefill", "paged_attention", "quant_matmul"):
     _module = sys.modules.get(f"pdserve.kernels.{_name}")
     if _module is not None:
         importlib.reload(_module)
