@@ -102,10 +102,13 @@ class DecodeDeployment(WorkerEndpoints):
         with self.telemetry.tracing.span(ta.SPAN_KV_TRANSFER, context=trace.set_span_in_context(span),
                                          attributes=attributes) as kv_span:
             result = await self.importer.import_kv(params)
+            # labelled by the path the bytes took: a same-host pull through shared memory is "shm", not "ucx"
+            transport = result.path or params.transport
+            kv_span.set_attribute(ta.KV_TRANSPORT, transport)
             if not result.ok:
                 kv_span.set_attribute(ta.FALLBACK_REASON, result.fallback_reason)
         if result.ok:
-            self.telemetry.metrics.observe_kv_transfer(time.monotonic() - start, nbytes, params.transport)
+            self.telemetry.metrics.observe_kv_transfer(time.monotonic() - start, nbytes, transport)
             return dataclasses.replace(gen, adopt_lease_id=result.lease_id, first_token_id=first_token_id), None
         self.telemetry.metrics.count_fallback(result.fallback_reason)
         span.set_attribute(ta.FALLBACK_REASON, result.fallback_reason)

@@ -33,6 +33,7 @@ class ImportResult:
     lease_id: str | None  # reserved blocks now holding the KV; None when falling back
     fallback_reason: str | None = None
     error: str | None = None
+    path: str | None = None  # the transport path the bytes took, where the transport has several
 
     @property
     def ok(self) -> bool:
@@ -95,7 +96,7 @@ class KVImporter:
         except MemoryError as exc:
             return self._fallback("no_kv_capacity", str(exc))
         try:
-            await self.transport.pull(params, list(lease.block_ids))
+            path = await self.transport.pull(params, list(lease.block_ids))
         except LayoutMismatch as exc:
             await self.engine.release_lease(lease.lease_id)
             return self._fallback("layout_mismatch", str(exc))
@@ -108,7 +109,7 @@ class KVImporter:
         except BaseException:  # cancelled: shielded, as a second cancel must not skip the release
             await asyncio.shield(self.engine.release_lease(lease.lease_id))
             raise
-        return ImportResult(lease.lease_id)
+        return ImportResult(lease.lease_id, path=path)
 
     def _fallback(self, reason: str, error: str) -> ImportResult:
         self.fallbacks[reason] += 1

@@ -53,7 +53,9 @@ class KVTransport(ABC):
     ) -> HandoffParams: ...
 
     @abstractmethod
-    async def pull(self, params: HandoffParams, dest_block_ids: list[int]) -> None: ...
+    async def pull(self, params: HandoffParams, dest_block_ids: list[int]) -> str | None:
+        """Land the exported blocks in `dest_block_ids`; the name of the path the bytes took where this
+        transport has several (same_host: "shm" or its remote's name), else None."""
 
     def forget(self, lease_id: str) -> bool:
         """Drop the export of `lease_id` (request aborted, lease expired): it can no longer be pulled.

@@ -59,20 +59,21 @@ class SameHostFirst(KVTransport):
         if self.release is not None:
             await self.release(lease_id)
 
-    async def pull(self, params: HandoffParams, dest_block_ids: list[int]) -> None:
+    async def pull(self, params: HandoffParams, dest_block_ids: list[int]) -> str:
         if self.local.is_local(params):
             try:
                 return await self._pull_over(self.local, params, dest_block_ids)
             except ShmUnreachable as e:
                 self.pulls_by_path["shm_unreachable"] += 1
                 logger.info("%s; pulling lease %s over %s instead", e, params.lease_id, self.remote.name)
-        await self._pull_over(self.remote, params, dest_block_ids)
+        return await self._pull_over(self.remote, params, dest_block_ids)
 
-    async def _pull_over(self, transport: KVTransport, params: HandoffParams, dest_block_ids: list[int]) -> None:
+    async def _pull_over(self, transport: KVTransport, params: HandoffParams, dest_block_ids: list[int]) -> str:
         before = transport.bytes_pulled
         await transport.pull(params, dest_block_ids)
         self.bytes_pulled += transport.bytes_pulled - before
         self.pulls_by_path[transport.name] += 1
+        return transport.name
 
     def forget(self, lease_id: str) -> bool:
         is_remote = self.remote.forget(lease_id)

@@ -55,7 +55,7 @@ def test_a_peer_on_this_node_pulls_through_shared_memory_and_the_lease_is_served
         assert params.node_id == pair.importer.local.node_id is not None  # this process: one node
         assert params.local_address == pair.exporter.local.address
         assert pair.exporter.exported_lease_ids() == [LEASE]
-        await pair.importer.pull(params, [0, 1, 2])
+        assert await pair.importer.pull(params, [0, 1, 2]) == "shm"  # the path the metrics are labelled by
         pair.assert_landed([3, 4, 9], [0, 1, 2])
         assert pair.importer.pulls_by_path == {"shm": 1}
         assert pair.importer.bytes_pulled == 3 * LAYOUT.block_nbytes
@@ -76,7 +76,7 @@ def test_another_node_or_an_unreachable_socket_takes_the_remote_path():
         await pair.exporter.start()
         params = await pair.exporter.export(LEASE, [3, 4], [11], 7)
         elsewhere = dataclasses.replace(params, node_id="another-node")
-        await pair.importer.pull(elsewhere, [0, 1])
+        assert await pair.importer.pull(elsewhere, [0, 1]) == "local"
         assert pair.importer.pulls_by_path == {"local": 1}
         assert pair.released == [LEASE] and pair.exporter.num_exports == 0  # and withdrawn from shared memory
 
