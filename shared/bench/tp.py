@@ -49,23 +49,34 @@ def engine_config(model: str, tp: int, num_blocks: int = 128) -> EngineConfig:
 
 
 @torch.inference_mode()
-def prefill_logits(engine: LLMEngine, token_ids: list[int], all_rows: bool = True) -> torch.Tensor:
-    """Prefill `token_ids` into blocks 0.. of an idle engine (every rank, as a step would); logits [T or 1, V]."""
+def prefill_logits(engine: LLMEngine, token_ids: list[int], all_rows: bool = True,
+                   block_ids: list[int] | None = None) -> torch.Tensor:
+    """Prefill `token_ids` on every rank, as a step would, into `block_ids` (default: blocks taken from the
+    block manager for the call, so no cached prefix is overwritten); logits [T, V], or [1, V] for the last."""
     runner, n = engine.runner, len(token_ids)
-    num_blocks = -(-n // runner.block_size)
-    chunk = PrefillChunk(0, n, n, torch.arange(num_blocks))
-    meta = AttentionMetadata(torch.arange(n), 0, (), (chunk,), backend=runner.attention_backend)
-    hidden = runner.model(torch.tensor(token_ids), torch.arange(n), runner.kv_caches, meta)
-    return runner.model.compute_logits(hidden if all_rows else hidden[-1:])
+    own = block_ids is None
+    blocks = engine.block_manager.allocate_blocks(-(-n // runner.block_size)) if own else block_ids
+    try:
+        chunk = PrefillChunk(0, n, n, torch.tensor(blocks))
+        slots = torch.tensor([blocks[p // runner.block_size] * runner.block_size + p % runner.block_size
+                              for p in range(n)])
+        meta = AttentionMetadata(slots, 0, (), (chunk,), backend=runner.attention_backend)
+        hidden = runner.model(torch.tensor(token_ids), torch.arange(n), runner.kv_caches, meta)
+        return runner.model.compute_logits(hidden if all_rows else hidden[-1:])
+    finally:
+        if own:
+            engine.block_manager.release_blocks(blocks)
 
 
 @torch.inference_mode()
-def decode_step_s(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> float:
-    """One decode step of `batch` sequences over the context prefilled in blocks 0.. (shared), logits included."""
+def decode_step_s(engine: LLMEngine, batch: int, context_blocks: list[int], own_blocks: list[int],
+                  seed: int = 0) -> float:
+    """One decode step of `batch` sequences, each over the prefilled `context_blocks` (shared) plus a block
+    of its own from `own_blocks` for the new token, logits included."""
     runner, bs = engine.runner, engine.runner.block_size
-    shared = list(range(context // bs))
-    seqs = [_Decoding(context + 1, shared + [len(shared) + i]) for i in range(batch)]
-    slots = [s.block_table[-1] * bs + context % bs for s in seqs]
+    context = len(context_blocks) * bs
+    seqs = [_Decoding(context + 1, context_blocks + [own_blocks[i]]) for i in range(batch)]
+    slots = [s.block_table[-1] * bs for s in seqs]
     ids = torch.randint(0, engine.model_config.vocab_size, (batch,), generator=torch.Generator().manual_seed(seed))
     begin = time.perf_counter()
     meta = runner._metadata(seqs, slots, [])
@@ -114,12 +125,17 @@ def run(model: str = "smollm2-135m-instruct", quick: bool = False, seed: int = 0
                         "greedy_identical": tokens[1] == tokens[2], "greedy_prompts": len(prompts),
                         "greedy_tokens": 32}
         timings: dict = {}
-        for name, fn in [("prefill_1k", lambda e: prefill_logits(e, long_prompt, all_rows=False)),
-                         ("decode_b1", lambda e: decode_step_s(e, 1, PREFILL_TOKENS, seed)),
-                         ("decode_b16", lambda e: decode_step_s(e, 16, PREFILL_TOKENS, seed))]:
+        blocks = {tp: llm.engine.block_manager.allocate_blocks(PREFILL_TOKENS // BLOCK_SIZE + 16)
+                  for tp, llm in llms.items()}
+        context, own = PREFILL_TOKENS // BLOCK_SIZE, slice(PREFILL_TOKENS // BLOCK_SIZE, None)
+        steps = [("prefill_1k", lambda e, b: prefill_logits(e, long_prompt, all_rows=False, block_ids=b[:context])),
+                 ("decode_b1", lambda e, b: decode_step_s(e, 1, b[:context], b[own], seed)),
+                 ("decode_b16", lambda e, b: decode_step_s(e, 16, b[:context], b[own], seed))]
+        for name, fn in steps:
             for tp, llm in llms.items():
-                fn(llm.engine)  # warm-up (and, for prefill, the context the decodes attend)
-                timings.setdefault(f"tp{tp}", {})[name] = _timed(llm.engine, lambda e=llm.engine, f=fn: f(e), repeats)
+                fn(llm.engine, blocks[tp])  # warm-up (and, for prefill, the context the decodes attend)
+                timings.setdefault(f"tp{tp}", {})[name] = _timed(
+                    llm.engine, lambda e=llm.engine, b=blocks[tp], f=fn: f(e, b), repeats)
         result.update(timings)
         for name in ("prefill_1k", "decode_b1", "decode_b16"):
             result[f"{name}_tp2_over_tp1"] = round(timings["tp2"][name]["ms"] / timings["tp1"][name]["ms"], 3)
