@@ -104,6 +104,10 @@ def _bench(args: argparse.Namespace) -> int:
         from pdserve.bench.structured import run
 
         result = run(quick=args.quick, seed=args.seed)
+    elif args.target == "tp":
+        from pdserve.bench.tp import run
+
+        result = run(model=args.model or "smollm2-135m-instruct", quick=args.quick, seed=args.seed)
     else:
         raise SystemExit(f"unknown bench target {args.target!r}")
     print(json.dumps(result, indent=None if args.json else 2))
@@ -188,7 +192,7 @@ def _library_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
     bench.add_argument("target", choices=["engine", "kernels", "kvquant", "transfer", "router", "placement", "spec",
-                                            "linears", "attention", "structured", "peer"],
+                                            "linears", "attention", "structured", "peer", "tp"],
                        help="router, placement, peer: flags of their own (pdserve bench router --help)")
     bench.add_argument("--transports", default=None,
                        help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh,shm,shm-staged (shm: "
