@@ -66,7 +66,9 @@ class Observers:
 
 class Simulation:
     def __init__(self, spec: ClusterSpec, profile: LatencyProfile, requests: Sequence[SimRequest],
-                 scaler: Scaler | None = None) -> None:
+                 scaler: Scaler | None = None, placement_profile: LatencyProfile | None = None) -> None:
+        """`placement_profile`: the profile file the routers read (default `profile`, the engines' timing);
+        a live router predicts from its file even where the machine runs slower."""
         self.spec, self.profile, self.scaler = spec, profile, scaler
         self.records = [RequestRecord(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
         self.replicas: list[Replica] = []
@@ -82,7 +84,8 @@ class Simulation:
         router = spec.router
         prefill_model = profile.for_role("prefill")
         self.transfer_model = prefill_model if spec.transport in prefill_model.transfers else None
-        placement, placement_profile = router.placement, profile if router.has_profile else None
+        placement = router.placement
+        placement_profile = (placement_profile or profile) if router.has_profile else None
         if placement.transport is not None and placement.transport not in prefill_model.transfers:
             placement = placement.model_copy(update={"transport": None})
         if placement.policy == "slo_aware" and placement_profile is None:
@@ -228,10 +231,20 @@ class Simulation:
         batch = engine.schedule()
         if not batch.decodes and not batch.prefills:
             return  # waits for blocks: a handoff or a finish frees them and kicks it again
-        seconds = engine.step_time_s(batch)
+        seconds = engine.step_time_s(batch) * self._sharing(replica)
         engine.busy_until = self.now + seconds
         replica.batch = batch
         self._push(engine.busy_until, STEP, (replica, seconds))
+
+    def _sharing(self, replica: Replica) -> float:
+        """Slow-down of a step starting now on a shared host: the threads of every busy replica (this one
+        included) over its cores, fixed for the step's length."""
+        cores = self.spec.num_cores
+        if cores is None:
+            return 1.0
+        busy = sum(min(r.engine.spec.num_threads, cores) for r in self.replicas
+                   if r is replica or r.engine.busy_until is not None)
+        return max(1.0, busy / cores)
 
     def _step_done(self, payload: tuple[Replica, float]) -> int:
         replica, seconds = payload

@@ -21,9 +21,11 @@ class EngineSpec:
     block_size: int = 16
     enable_prefix_caching: bool = True
     recent_steps: int = 8  # steps averaged into the stats' recent step time and tokens
+    num_threads: int = 1  # cores a step keeps busy (the live worker: max(1, int(num_cpus)))
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "recent_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "recent_steps",
+                     "num_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -61,6 +63,9 @@ class ClusterSpec:
     router: RouterSpec = field(default_factory=RouterSpec)
     transport: str = "ucx"  # the profile's transfer model for the KV handoff; absent there: free
     startup_s: float = 60.0  # a replica the autoscaler adds serves this long after it is asked for
+    # cores every replica shares (one host); a step starting while others run takes
+    # max(1, threads busy / num_cores) times its profiled time. None: each replica has its own machine
+    num_cores: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -69,6 +74,8 @@ class ClusterSpec:
             raise ValueError("need at least one decode replica, and one prefill replica when disaggregated")
         if self.startup_s < 0:
             raise ValueError("startup_s must be >= 0")
+        if self.num_cores is not None and not self.num_cores > 0:
+            raise ValueError(f"num_cores must be > 0, got {self.num_cores}")
 
 
 @dataclass(frozen=True)

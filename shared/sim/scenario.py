@@ -43,7 +43,8 @@ def engine_spec(worker: dict[str, Any], profile: LatencyProfile, role: str) -> E
     return EngineSpec(max_num_seqs=int(worker.get("max_num_seqs", 64)),
                       max_num_batched_tokens=int(worker.get("max_num_batched_tokens", 2048)),
                       enable_chunked_prefill=bool(worker.get("enable_chunked_prefill", True)),
-                      num_blocks=int(num_blocks), block_size=block_size)
+                      num_blocks=int(num_blocks), block_size=block_size,
+                      num_threads=max(1, int(float(worker.get("num_cpus", 1.0)))))
 
 
 def cluster_spec(system: dict[str, Any], profile: LatencyProfile) -> ClusterSpec:

@@ -1,0 +1,97 @@
+"""What the latency profile lacks about a live deployment, as explicit parameters, and their arithmetic.
+
+A profile times one engine alone on the machine it was measured on. A live load-test run adds:
+
+- **CPU speed**: the run's machine against the profile's (`pdserve.loadtest.machine` measures three shapes
+  before each target). `prefill_scale` multiplies every prefill coefficient; the decode step
+  a + b·batch + c·context scales as `decode_fixed_scale`·a + `decode_row_scale`·(b·batch + c·context),
+  the two scales solved from the batch-1 and batch-8 shapes.
+- **Serving layer on the TTFT path** (`serving_ttft_s`): HTTP, the Serve proxy, tokenisation, placement,
+  the handoff's control messages, the first SSE event. A fixed delay per request that holds no engine: a
+  delay on every arrival shifts the whole run, so it is added to each record's first-token and finish time.
+- **Relay per token** (`relay_token_s`): each generated token crossing replica -> router -> proxy as its own
+  message. It costs the replica's CPU per sequence per step, so it is added to the decode step's per-row
+  term `b` (it grows with the batch; at batch 1 it adds exactly itself to TPOT).
+
+Each is calibrated from idle measurements only: the scales from the machine check (an engine alone), the
+serving costs from the target's idle probe (one request alone) minus the scaled simulator's idle figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel
+from pdserve.sim.results import RequestRecord
+
+CTX = 1024  # the machine check's decode shapes: batch 1 and 8, 1024 tokens of context per sequence
+
+
+@dataclass(frozen=True)
+class Calibration:
+    prefill_scale: float = 1.0
+    decode_fixed_scale: float = 1.0
+    decode_row_scale: float = 1.0
+    serving_ttft_s: float = 0.0
+    relay_token_s: float = 0.0
+    source: str = "none"  # where the scales came from
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_scale", "decode_fixed_scale", "decode_row_scale"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.serving_ttft_s < 0 or self.relay_token_s < 0:
+            raise ValueError("serving_ttft_s and relay_token_s must be >= 0")
+
+    def model(self, m: LatencyModel) -> LatencyModel:
+        p, d, s = m.prefill, m.decode, self.prefill_scale
+        return dataclasses.replace(
+            m, prefill=PrefillModel(p.a * s, p.b * s, p.c * s, p.d * s),
+            decode=DecodeModel(d.a * self.decode_fixed_scale, d.b * self.decode_row_scale + self.relay_token_s,
+                               d.c * self.decode_row_scale))
+
+    def profile(self, profile: LatencyProfile) -> LatencyProfile:
+        """The profile as the live run's engines step (scaled, relay in the decode rows)."""
+        return dataclasses.replace(profile, models={r: self.model(m) for r, m in profile.models.items()})
+
+    def records(self, records: Sequence[RequestRecord]) -> list[RequestRecord]:
+        """Records as the client saw them: the serving layer's delay before the first token."""
+        d = self.serving_ttft_s
+        return [dataclasses.replace(r, first_token_s=None if r.first_token_s is None else r.first_token_s + d,
+                                    finish_s=None if r.finish_s is None else r.finish_s + d) for r in records]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def scales_from_machine(check: Mapping[str, Any], profile: LatencyProfile) -> tuple[float, float, float]:
+    """(prefill, decode fixed, decode row) scales from a machine check's measured/profiled shapes
+    (`MachineCheck.to_dict()`): prefill_1024's ratio; the decode pair solves
+      f·a + r·(b + c·CTX) = m1,  f·a + r·8·(b + c·CTX) = m8
+    (a uniform decode scale, the batch-8 ratio, when that gives a non-positive f or r)."""
+    shapes = {s["shape"]: s["measured_ms"] / 1e3 for s in check["shapes"]}
+    prefill = shapes["prefill_1024"] / profile.for_role("prefill").prefill_time_s(1024)
+    d = profile.for_role("decode").decode
+    row = d.b + d.c * CTX
+    m1, m8 = shapes["decode_b1_ctx1024"], shapes["decode_b8_ctx1024"]
+    r = (m8 - m1) / (7 * row) if row > 0 else 0.0
+    f = (m1 - r * row) / d.a if d.a > 0 else 0.0
+    if f <= 0 or r <= 0:
+        f = r = m8 / d.step_s(8, 8 * CTX)
+    return prefill, f, r
+
+
+def serving_costs(live_ttft_s: float, live_tpot_s: float, sim_ttft_s: float, sim_tpot_s: float) -> tuple[float, float]:
+    """(serving_ttft_s, relay_token_s): what the idle probe measured beyond the scaled simulator's idle
+    request; never negative (a live figure below the simulated one leaves that cost at 0)."""
+    return max(0.0, live_ttft_s - sim_ttft_s), max(0.0, live_tpot_s - sim_tpot_s)
+
+
+def rel_error(predicted: float, measured: float) -> float:
+    """|predicted - measured| / measured; a measured 0 gives 0 when predicted is 0 too, else 1."""
+    if measured == 0:
+        return 0.0 if predicted == 0 else 1.0
+    return abs(predicted - measured) / abs(measured)
