@@ -1,6 +1,7 @@
 """`pdserve-loadtest`: `run` (one load point against a URL), `sweep` (goodput of a URL), `scenario` (a YAML file),
 `soak` (faults and bad input under load), `bound` (what placement can save at most on a scenario's trace),
-`simulate` (a scenario through the discrete-event model, pdserve.sim: no server)."""
+`simulate` (a scenario through the discrete-event model, pdserve.sim: no server), `validate` (the simulator
+against a scenario's committed live report)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,15 @@ def parser() -> argparse.ArgumentParser:
     simulate.add_argument("--rates", help="rates instead of the sweep grid, comma-separated")
     simulate.add_argument("--requests", type=int, help="requests per rate instead of load.num_requests")
     simulate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
+    validate = sub.add_parser("validate", help="the simulator against committed live reports: predicted beside "
+                              "measured TTFT/TPOT p50/p90 per point and goodput per target (no server)")
+    validate.add_argument("scenarios", nargs="+", metavar="SCENARIO",
+                          help="a scenario YAML or a committed scenario's name (router-policies, ...)")
+    validate.add_argument("--report", help="the live report (default loadtest/results/<name>/summary.json)")
+    validate.add_argument("--profile", help="latency profile (default: the one the report's run named)")
+    validate.add_argument("--write", nargs="?", type=Path, const=Path("loadtest/results/simulator-validation.json"),
+                          help="also merge the result into this file (default path: %(const)s)")
+    validate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     from pdserve.loadtest.soak import add_soak_args
 
     add_soak_args(sub.add_parser("soak", help="N requests with disconnects, bad inputs and replica kills; "
@@ -202,6 +212,13 @@ def simulate_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def validate_main(args: argparse.Namespace) -> int:
+    from pdserve.loadtest.validate import validate_main as validate
+
+    print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -210,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return soak_main(args)
         return {"run": run_main, "sweep": sweep_main, "scenario": scenario_main, "bound": bound_main,
-                "simulate": simulate_main}[args.command](args)
+                "simulate": simulate_main, "validate": validate_main}[args.command](args)
     except ValueError as exc:
         print(f"pdserve-loadtest: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,212 @@
+"""`pdserve-loadtest validate`: the simulator (pdserve.sim) against a committed live report.
+
+Each target of `loadtest/results/<scenario>/summary.json` is simulated as that run was configured: the
+report's own target systems, workload, load, sweep and resolved SLOs, the scenario YAML's seed (the report
+does not record it), and the latency profile its routers or machine check named. The profile is calibrated
+(pdserve.sim.calibrate) from idle measurements only:
+
+- CPU scales from the target's machine check (the scenario's when the target has none); a report without
+  any (router-policies) gets one scale for every coefficient, the one that best fits its reference target's
+  lowest-rate point, and that point is then left out of the comparison;
+- the serving layer's TTFT delay and per-token relay cost from the target's idle probe.
+
+Then every measured sweep point (TTFT p50/p90, TPOT p50/p90, in ms) and each target's goodput (the
+DistServe rate, by the load tests' own sweep) are predicted and put beside the measured figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+from pdserve.latency_model import LatencyProfile
+from pdserve.loadtest.evaluate import PROBE_SEED
+from pdserve.loadtest.runner import LoadConfig
+from pdserve.loadtest.scenario import Scenario
+from pdserve.loadtest.slo import SLO
+from pdserve.loadtest.sweep import SweepConfig, find_goodput
+from pdserve.loadtest.workloads import Workload, workload
+from pdserve.sim.calibrate import Calibration, rel_error, scales_from_machine, serving_costs
+from pdserve.sim.cluster import Simulation
+from pdserve.sim.config import ClusterSpec
+from pdserve.sim.results import aggregate
+from pdserve.sim.scenario import cluster_spec, idle_latency, load_profile
+from pdserve.sim.workload import requests_for
+
+TARGET_ERROR = 0.2
+LATENCIES = (("ttft_p50_ms", "ttft_ms", "p50"), ("ttft_p90_ms", "ttft_ms", "p90"),
+             ("tpot_p50_ms", "tpot_ms", "p50"), ("tpot_p90_ms", "tpot_ms", "p90"))
+FIT_SCALES = tuple(round(1.0 + 0.2 * k, 2) for k in range(11))  # 1.0 .. 3.0
+DEFAULT_OUT = Path("loadtest/results/simulator-validation.json")
+
+
+def load_report(path: Path) -> dict[str, Any]:
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read report {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    missing = [k for k in ("workload", "load", "sweep", "slo", "targets") if k not in report]
+    if missing or not all("idle" in t and "points" in t and "system" in t for t in report.get("targets", [])):
+        raise ValueError(f"{path}: not a scenario report (missing {missing or 'targets[].idle/points/system'})")
+    return report
+
+
+def load_scenario(arg: str) -> Scenario:
+    """A scenario YAML, or a committed scenario's name (loadtest/scenarios/NAME.yaml)."""
+    import yaml
+
+    path = Path(arg) if arg.endswith((".yaml", ".yml")) else Path("loadtest/scenarios") / f"{arg}.yaml"
+    try:
+        return Scenario.from_yaml(path)
+    except OSError as exc:
+        raise ValueError(f"cannot read scenario {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not YAML ({str(exc).splitlines()[0]})") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a scenario ({str(exc).splitlines()[0]})") from None
+
+
+class Model:
+    """One scenario's simulated runs: the report's configuration, a calibration per target."""
+
+    def __init__(self, scenario: Scenario, report: dict[str, Any], profile: LatencyProfile) -> None:
+        self.profile, self.report = profile, report
+        self.work: Workload = workload(report["workload"])
+        ld = report["load"]
+        self.load = LoadConfig(int(ld["num_requests"]), float(ld["max_duration_s"]), ld["arrival"],
+                               float(ld.get("burstiness", 1.0)), scenario.seed)
+        sw = report["sweep"]
+        self.sweep = SweepConfig(tuple(sw["rates"]), int(sw["max_runs"]), float(sw["rel_tol"]),
+                                 float(sw.get("target", 0.9)))
+        self.slo = SLO(report["slo"]["ttft_ms"] / 1e3, report["slo"]["tpot_ms"] / 1e3)
+        self.num_cores = ((report.get("provenance") or {}).get("host") or {}).get("cores")
+
+    def spec(self, target: dict[str, Any]) -> ClusterSpec:
+        """The target's system on the report's host: every replica shares its cores."""
+        return dataclasses.replace(cluster_spec(target["system"], self.profile), num_cores=self.num_cores)
+
+    def point(self, spec: ClusterSpec, cal: Calibration, rate: float) -> dict[str, Any]:
+        requests = requests_for(self.work, self.load, rate, spec.decode.block_size)
+        records = Simulation(spec, cal.profile(self.profile), requests, placement_profile=self.profile).run()
+        return aggregate(cal.records(records), self.slo, rate, self.load.max_duration_s)
+
+    def calibrate(self, spec: ClusterSpec, target: dict[str, Any], scales: tuple[float, float, float],
+                  source: str) -> Calibration:
+        scaled = Calibration(*scales, source=source)
+        probe = requests_for(self.work, LoadConfig(64, 1.0, "poisson", 1.0, PROBE_SEED), 1.0, spec.decode.block_size)
+        sim = idle_latency(spec, scaled.profile(self.profile), probe)
+        live = target["idle"]
+        ttft, relay = serving_costs(live["ttft_ms"] / 1e3, live["tpot_ms"] / 1e3, sim.ttft_s, sim.tpot_s)
+        return Calibration(*scales, serving_ttft_s=ttft, relay_token_s=relay, source=source)
+
+    def fit_scales(self, target: dict[str, Any]) -> tuple[tuple[float, float, float], float]:
+        """((prefill, decode, decode) scales, error): on a grid, the pair whose calibration best fits the
+        target's lowest-rate point (its largest relative error over TTFT and TPOT p50/p90)."""
+        spec, low = self.spec(target), min(target["points"], key=lambda p: p["rate"])
+        best: tuple[tuple[float, float, float], float] = ((1.0, 1.0, 1.0), float("inf"))
+        for p, d in itertools.product(FIT_SCALES, FIT_SCALES):
+            cal = self.calibrate(spec, target, (p, d, d), "fit")
+            figures = compare(self.point(spec, cal, low["rate"]), low["summary"])
+            error = max(rel_error(f["predicted"], f["measured"]) for f in figures.values())
+            if error < best[1]:
+                best = ((p, d, d), error)
+        return best
+
+
+def compare(predicted: dict[str, Any], summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    out = {}
+    for name, key, pct in LATENCIES:
+        measured = (summary.get(key) or {}).get(pct)
+        value = predicted.get(name.replace("_ms", "_s"))
+        if measured is not None and value is not None:
+            out[name] = {"predicted": value * 1e3, "measured": float(measured)}
+    return out
+
+
+def _profile_path(scenario: Scenario, report: dict[str, Any]) -> str:
+    for check in report.get("machine") or ():
+        return check["profile_path"]
+    for target in report["targets"]:
+        path = (target["system"].get("router") or {}).get("profile_path")
+        if path:
+            return path
+    if scenario.machine_profile:
+        return scenario.machine_profile
+    raise ValueError(f"report {report.get('scenario')!r} and its scenario name no latency profile")
+
+
+def validate(scenario: Scenario, report_path: Path, profile_path: str | None = None) -> dict[str, Any]:
+    """scenario name -> {max_abs_rel_error, figures: {name: {predicted, measured}}, calibration, ...}."""
+    report = load_report(report_path)
+    path = profile_path or _profile_path(scenario, report)
+    profile = load_profile(path)
+    model = Model(scenario, report, profile)
+    targets = report["targets"]
+    fitted: tuple[tuple[float, float, float], float] | None = None
+    if not any(t.get("machine") for t in targets) and not report.get("machine"):
+        fitted = model.fit_scales(targets[0])
+    figures: dict[str, dict[str, float]] = {}
+    calibrations: dict[str, Any] = {}
+    left_out: list[str] = []
+    for i, target in enumerate(targets):
+        name, spec = target["name"], model.spec(target)
+        checks = target.get("machine") or report.get("machine")
+        if checks:
+            scales, source = scales_from_machine(checks[0], profile), "machine check"
+        else:
+            scales, source = fitted[0], f"fit to {targets[0]['name']}'s lowest rate"  # type: ignore[index]
+        cal = model.calibrate(spec, target, scales, source)
+        calibrations[name] = {**cal.to_dict(), "idle_measured_ms": target["idle"]}
+        lowest = min(p["rate"] for p in target["points"])
+        for point in sorted(target["points"], key=lambda p: p["rate"]):
+            rate = point["rate"]
+            if fitted is not None and i == 0 and rate == lowest:
+                left_out.append(f"{name}/{rate:.3g}")
+                continue
+            for fig, value in compare(model.point(spec, cal, rate), point["summary"]).items():
+                figures[f"{name}/{rate:.3g}/{fig}"] = value
+
+        def attainment(rate: float, spec: ClusterSpec = spec, cal: Calibration = cal) -> float:
+            return model.point(spec, cal, rate)["slo_attainment"]
+
+        sim = find_goodput(attainment, model.sweep)
+        figures[f"{name}/goodput_rps"] = {"predicted": sim.goodput, "measured": float(target["goodput"])}
+    errors = {k: rel_error(v["predicted"], v["measured"]) for k, v in figures.items()}
+    for k, v in figures.items():
+        v["rel_error"] = errors[k]
+    worst = max(errors.values(), default=0.0)
+    return {
+        "max_abs_rel_error": worst, "within_target": worst <= TARGET_ERROR,
+        "num_figures": len(figures), "num_within_target": sum(e <= TARGET_ERROR for e in errors.values()),
+        "figures": figures, "calibration": calibrations,
+        "calibrated_on": "idle probes" + (
+            f"; no machine check in the report: prefill and decode scales {fitted[0][0]:g} and {fitted[0][1]:g} "
+            f"fitted on {', '.join(left_out)} (left out of the figures)" if fitted else " and machine checks"),
+        "num_cores": model.num_cores,
+        "report": str(report_path), "report_commit": (report.get("provenance") or {}).get("commit"),
+        "profile": path, "seed": scenario.seed,
+    }
+
+
+def validate_main(names: list[str], report: str | None, profile: str | None, write: Path | None) -> dict[str, Any]:
+    if report is not None and len(names) != 1:
+        raise ValueError("--report goes with exactly one scenario")
+    out: dict[str, Any] = {}
+    for arg in names:
+        scenario = load_scenario(arg)
+        path = Path(report) if report else Path("loadtest/results") / scenario.name / "summary.json"
+        out[scenario.name] = validate(scenario, path, profile)
+    if write is not None:
+        existing: dict[str, Any] = {}
+        if write.exists():
+            try:
+                existing = json.loads(write.read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                raise ValueError(f"{write}: not JSON; remove it or write elsewhere") from None
+        write.write_text(json.dumps({**existing, **out}, indent=1) + "\n", encoding="utf-8")
+    return out
