@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from pdserve.services.autoscaling import RoleAutoscaling
 
 if TYPE_CHECKING:  # the config validates without torch (`pdserve serve` refuses a bad file before any import)
     from pdserve.config import EngineConfig, SpeculativeConfig
@@ -81,6 +83,14 @@ class WorkerConfig(BaseModel):
     serve_env: dict[str, str] = Field(default_factory=dict)
     # n-gram speculative decoding in this role's engine (decode); None: off
     speculative: SpeculativeSettings | None = None
+    # opt-in SLO-driven autoscaling of this role's replicas (pdserve.services.autoscaling); None: num_replicas, held
+    autoscaling: RoleAutoscaling | None = None
+
+    @model_validator(mode="after")
+    def _autoscaling_targets_can_be_met(self) -> WorkerConfig:
+        if self.autoscaling is not None:
+            self.autoscaling.check_profile(self.block_size)
+        return self
 
     @field_validator("quantization")
     @classmethod
@@ -124,6 +134,11 @@ class WorkerConfig(BaseModel):
             "num_replicas": self.num_replicas, "ray_actor_options": self.actor_options(),
             "max_ongoing_requests": self.max_ongoing_requests, "max_queued_requests": self.max_queued_requests,
         }
+        scaling = self.autoscaling
+        if scaling is not None and scaling.policy != "static":
+            del options["num_replicas"]
+            options["autoscaling_config"] = scaling.serve_autoscaling_config(self.num_replicas, self.transport)
+            options["graceful_shutdown_timeout_s"] = scaling.graceful_shutdown_timeout_s
         if request_router_class is not None:
             from ray.serve.config import RequestRouterConfig
 

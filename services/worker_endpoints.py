@@ -3,8 +3,10 @@ the worker link (pdserve.worklink), whose address the routing stats publish."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import secrets
+import time
 from typing import Any
 
 from pdserve.observability import trace_attributes as ta
@@ -21,6 +23,9 @@ class WorkerEndpoints:
 
     link: LinkServer | None = None
     link_token = ""
+    draining = False
+    # since start, for the autoscaling policy's rates (record_autoscaling_stats)
+    num_requests = num_prompt_tokens = num_prompt_tokens_sq = num_output_tokens = 0
     _layout_hash: int | None = None  # the KV layout's, fixed for the engine's life
 
     def link_server(self) -> LinkServer:
@@ -30,14 +35,45 @@ class WorkerEndpoints:
     transport: KVTransport | None = None  # the KV handoff's transport
 
     async def __del__(self) -> None:
-        """Serve's graceful shutdown: stop taking link calls, end the engine's streams, close the KV
-        transport (its listener and connections) and flush the tracer, in that order."""
+        """Serve's graceful shutdown, after Serve's own calls drained: stop taking link calls (the router
+        goes elsewhere) while those in flight end, wait for this replica's KV exports to be pulled (no
+        lease stranded), then end the engine's streams, close the KV transport (its listener and
+        connections) and flush the tracer, in that order. An autoscaled role drains for up to its
+        `autoscaling.drain_timeout_s`; otherwise link calls get 1 s and exports are not waited for."""
+        self.draining = True
+        scaling = self.config.autoscaling
+        grace = scaling.drain_timeout_s if scaling is not None and scaling.policy != "static" else None
+        deadline = time.monotonic() + (grace or 0.0)
         if self.link is not None:
-            await self.link.stop(grace_s=1.0)
+            await self.link.stop(grace_s=grace if grace is not None else 1.0)
+        while (self.transport is not None and self.transport.num_exports
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
         await self.engine.close()
         if self.transport is not None:
             await self.transport.close()
         self.telemetry.close()
+
+    def count_arrival(self, num_prompt_tokens: int) -> None:
+        self.num_requests += 1
+        self.num_prompt_tokens += num_prompt_tokens
+        self.num_prompt_tokens_sq += num_prompt_tokens * num_prompt_tokens
+
+    def count_output(self, num_tokens: int) -> None:
+        self.num_output_tokens += num_tokens
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (pdserve.autoscale.serve_policy.METRICS): engine gauges and
+        settings, and counters since start; recorded every `metrics_interval_s` when autoscaling is on."""
+        stats = self.engine.stats()
+        return {
+            "queued_prefill_tokens": stats.queued_prefill_tokens, "num_running": stats.num_running,
+            "num_used_blocks": stats.num_total_blocks - stats.num_free_blocks,
+            "num_total_blocks": stats.num_total_blocks, "block_size": stats.block_size,
+            "max_num_seqs": self.config.max_num_seqs, "max_num_batched_tokens": stats.max_num_batched_tokens,
+            "num_requests": self.num_requests, "prompt_tokens": self.num_prompt_tokens,
+            "prompt_tokens_sq": self.num_prompt_tokens_sq, "output_tokens": self.num_output_tokens,
+        }
 
     # async, as every endpoint here: Serve runs a sync method on a worker thread (a thread per call on the
     # 2-core VM), beside the engine loop that alone may read the engine between steps
@@ -67,7 +103,8 @@ class WorkerEndpoints:
         if self.link is None:
             self.link_token = secrets.token_urlsafe(32)
             self.link = self.link_server()
-        address = await self.link.start(self.config.resolved_ucx_host())
+        # a draining replica's stopped link stays stopped: its old address refuses, the router goes elsewhere
+        address = self.link.address if self.draining else await self.link.start(self.config.resolved_ucx_host())
         return {**self._routing_stats(), "link": address, "link_token": self.link_token}
 
     async def link_stats(self, want_events: bool, cursor: tuple | None) -> dict[str, Any]:

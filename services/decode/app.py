@@ -45,6 +45,7 @@ class DecodeDeployment(WorkerEndpoints):
         locally, continuing from the prompt plus prefill's first token, so the stream stays consistent
         (those batches then count the first token in num_prompt_tokens)."""
         prompt = request.prompt_token_ids
+        self.count_arrival(len(prompt))
         gen = GenerationRequest(request.request_id, prompt, request.params, priority=request.priority,
                                 max_prefill_chunk=request.max_prefill_chunk, rng_offset=request.rng_offset,
                                 num_resumed_tokens=request.num_resumed_tokens)
@@ -78,6 +79,7 @@ class DecodeDeployment(WorkerEndpoints):
                             span.set_attributes({ta.QUEUE_SECONDS: queue, ta.PREFILL_CHUNKS: delta.num_prefill_chunks,
                                                  "pdserve.decode.first_step_seconds": time.monotonic() - start})
                         num_tokens += len(delta.token_ids)
+                        self.count_output(len(delta.token_ids))
                         spec_counts = (delta.num_draft_tokens, delta.num_accepted_tokens, delta.num_verifications)
                         yield TokenBatch.of(delta)
         finally:

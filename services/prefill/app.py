@@ -41,6 +41,7 @@ class PrefillDeployment(WorkerEndpoints):
 
     async def prefill(self, request: WorkerRequest) -> PrefillResult:
         await self._start()
+        self.count_arrival(len(request.prompt_token_ids))
         gen = GenerationRequest(request.request_id, request.prompt_token_ids, request.params, prefill_only=True,
                                 priority=request.priority, max_prefill_chunk=request.max_prefill_chunk)
         start = time.monotonic()
