@@ -7,6 +7,10 @@
 {{- range $role := list "prefill" "decode" -}}
 {{- $v := index $.Values $role -}}
 {{- $fixed := dict "num_replicas" (int $v.serveReplicas) "label_selector" (dict $key $role) -}}
+{{- if and $v.autoscaling.enabled (eq (default "ongoing" $v.autoscaling.policy) "slo") -}}
+{{- $bounds := dict "policy" "slo" "min_replicas" (int $v.autoscaling.minReplicas) "max_replicas" (int $v.autoscaling.maxReplicas) -}}
+{{- $_ := set $fixed "autoscaling" (merge $bounds (deepCopy (default dict $v.autoscaling.slo))) -}}
+{{- end -}}
 {{- $_ := set $cfg $role (merge $fixed (deepCopy (default dict $v.worker))) -}}
 {{- end -}}
 {{- $router := dict "num_replicas" (int .Values.router.numReplicas) "num_cpus" .Values.router.numCpus -}}
@@ -36,7 +40,8 @@
 {{- range $role := $roles -}}
 {{- $v := index $.Values $role -}}
 {{- $d := dict -}}
-{{- if $v.autoscaling.enabled -}}
+{{- /* policy slo: the deployment's autoscaling_config comes from the role's SystemConfig (build_pdserve) */ -}}
+{{- if and $v.autoscaling.enabled (ne (default "ongoing" $v.autoscaling.policy) "slo") -}}
 {{- $_ := set $d "num_replicas" "auto" -}}
 {{- $_ := set $d "autoscaling_config" (include "pdserve.autoscalingConfig" $v.autoscaling | fromJson) -}}
 {{- end -}}
