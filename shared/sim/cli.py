@@ -3,6 +3,7 @@
     python -m pdserve.sim scenario loadtest/scenarios/router-policies.yaml [--profile P] [--rates 0.5,1]
     python -m pdserve.sim trace loadtest/scenarios/traces/prefix-routing.jsonl --profile P [--mode colocated]
     python -m pdserve.sim autoscale [--duration-s 7200] [--rate 20]   (H100 8B roofline profile by default)
+    python -m pdserve.sim plan --workload chat --gpus 1000 [--trace T] [--profile P]   (the cluster plan)
 
 A missing or malformed scenario, trace or profile file: one line on stderr, exit code 2.
 """
@@ -104,6 +105,32 @@ def autoscale_main(args: argparse.Namespace) -> dict[str, Any]:
             "startup_s": spec.startup_s, "placement": args.policy, **result}
 
 
+WORKLOADS = ("chat", "long_prompt", "long_output")  # the shifting-mix trace's phases (pdserve.sim.shift)
+
+
+def plan_main(args: argparse.Namespace) -> dict[str, Any]:
+    from pdserve.bench.placement import h100_8b_profile
+    from pdserve.sim.plan import PlanSpec, plan_cluster, synthetic_lengths, trace_lengths
+    from pdserve.sim.scenario import load_profile
+    from pdserve.sim.shift import DEFAULT_PHASES
+    from pdserve.sim.workload import load_trace
+
+    profile = load_profile(args.profile) if args.profile else h100_8b_profile()
+    spec = PlanSpec(gpus=args.gpus, unit_gpus=args.unit_gpus, ttft_slo_s=args.ttft_ms / 1e3,
+                    tpot_slo_s=args.tpot_ms / 1e3, window_s=args.window_s, policy=args.policy, seed=args.seed)
+    if args.trace:
+        lengths, source = trace_lengths(load_trace(args.trace)), args.trace
+    else:
+        phase = next(p for p in DEFAULT_PHASES if p.name == args.workload)
+        lengths, source = synthetic_lengths(phase.prompt, phase.output), f"{phase.name}: {phase.prompt} / {phase.output}"
+    result = plan_cluster(profile, lengths, spec)
+    d, c = result["disaggregated"], result["colocated"]
+    return {"command": "python -m pdserve.sim " + " ".join(sys.argv[1:]),
+            "profile": args.profile or "h100_8b_profile (pdserve.bench.placement)", "workload": source, **result,
+            "disaggregated_vs_colocated_per_gpu": d["goodput_per_gpu"] / c["goodput_per_gpu"]
+            if c["goodput_per_gpu"] else None}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdserve.sim", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -143,14 +170,26 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--no-static", action="store_true", help="skip simulating the static peak cluster")
     a.add_argument("--search-static", action="store_true",
                    help="also find the smallest static cluster meeting 0.9 in every window (several more runs)")
-    for sp in (s, t, a):
+    pl = sub.add_parser("plan", help="replicas per role (disaggregated) and colocated at a GPU budget, routers, "
+                        "Redis, and each shape's simulated goodput")
+    pl.add_argument("--profile", help="latency profile of one GPU (default: the H100 8B roofline profile)")
+    pl.add_argument("--workload", choices=WORKLOADS, default="chat", help="lengths of a built-in mix")
+    pl.add_argument("--trace", help="JSONL trace (Mooncake fields) whose lengths replace --workload's")
+    pl.add_argument("--gpus", type=int, default=1000)
+    pl.add_argument("--unit-gpus", type=int, default=8, help="GPUs in the simulated unit the budget replicates")
+    pl.add_argument("--ttft-ms", type=float, default=1000.0)
+    pl.add_argument("--tpot-ms", type=float, default=50.0)
+    pl.add_argument("--window-s", type=float, default=30.0, help="seconds of arrivals simulated per rate")
+    pl.add_argument("--policy", default="least_loaded", help="placement policy")
+    pl.add_argument("--seed", type=int, default=0)
+    for sp in (s, t, a, pl):
         sp.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    run = {"scenario": scenario_main, "trace": trace_main, "autoscale": autoscale_main}[args.command]
+    run = {"scenario": scenario_main, "trace": trace_main, "autoscale": autoscale_main, "plan": plan_main}[args.command]
     try:
         result = run(args)
     except (ValueError, KeyError) as exc:
