@@ -1,0 +1,81 @@
+"""The calibration arithmetic (pdserve.sim.calibrate) and the shared-cores slow-down, on round numbers."""
+
+from __future__ import annotations
+
+import pytest
+from pdserve.sim.calibrate import CTX, Calibration, rel_error, scales_from_machine, serving_costs
+from pdserve.sim.cluster import Simulation
+from pdserve.sim.config import ClusterSpec, EngineSpec, SimRequest
+
+
+def check(profile, prefill_ratio: float, fixed: float, row: float) -> dict:
+    m = profile.for_role("decode")
+    d = m.decode
+    b1 = fixed * d.a + row * (d.b + d.c * CTX)
+    b8 = fixed * d.a + row * 8 * (d.b + d.c * CTX)
+    return {"shapes": [
+        {"shape": "prefill_1024", "measured_ms": prefill_ratio * m.prefill_time_s(1024) * 1e3},
+        {"shape": "decode_b1_ctx1024", "measured_ms": b1 * 1e3},
+        {"shape": "decode_b8_ctx1024", "measured_ms": b8 * 1e3}]}
+
+
+def test_machine_check_scales_are_solved_back(profile):
+    prefill, fixed, row = scales_from_machine(check(profile, 1.5, 1.2, 2.0), profile)
+    assert prefill == pytest.approx(1.5) and fixed == pytest.approx(1.2) and row == pytest.approx(2.0)
+
+
+def test_a_check_that_solves_negative_falls_back_to_a_uniform_decode_scale(profile):
+    c = check(profile, 1.0, 1.0, 1.0)
+    c["shapes"][2]["measured_ms"] = c["shapes"][1]["measured_ms"]  # batch 8 as fast as batch 1: no row cost
+    _, fixed, row = scales_from_machine(c, profile)
+    d = profile.for_role("decode").decode
+    assert fixed == row == pytest.approx(c["shapes"][2]["measured_ms"] / 1e3 / d.step_s(8, 8 * CTX))
+
+
+def test_serving_costs_are_the_idle_gap_and_never_negative():
+    assert serving_costs(0.444, 0.0095, 0.142, 0.0049) == pytest.approx((0.302, 0.0046))
+    assert serving_costs(0.1, 0.004, 0.142, 0.0049) == (0.0, 0.0)
+
+
+def test_calibrated_profile_scales_and_adds_the_relay_per_row(profile):
+    cal = Calibration(2.0, 1.5, 3.0, serving_ttft_s=0.1, relay_token_s=0.001)
+    base, m = profile.for_role("decode"), cal.profile(profile).for_role("decode")
+    assert m.prefill_time_s(1000, 64) == pytest.approx(2.0 * base.prefill_time_s(1000, 64))
+    d = base.decode
+    assert m.decode_step_s(4, 4000) == pytest.approx(1.5 * d.a + 3.0 * (4 * d.b + 4000 * d.c) + 4 * 0.001)
+    assert m.kv_bytes_per_token == base.kv_bytes_per_token and m.transfers == base.transfers
+
+
+def test_a_lone_request_gets_the_idle_figures_back(profile):
+    """Calibrated from one idle request, the simulator returns that request's live TTFT and TPOT."""
+    spec = ClusterSpec(mode="colocated", num_decode=1)
+    request = [SimRequest(0, 0.0, 800, 64)]
+    scaled = Calibration(1.4, 1.3, 1.6)
+    (alone,) = Simulation(spec, scaled.profile(profile), request).run()
+    live_ttft, live_tpot = alone.ttft_s + 0.3, alone.tpot_s + 0.004
+    ttft, relay = serving_costs(live_ttft, live_tpot, alone.ttft_s, alone.tpot_s)
+    cal = Calibration(1.4, 1.3, 1.6, serving_ttft_s=ttft, relay_token_s=relay)
+    (record,) = cal.records(Simulation(spec, cal.profile(profile), request).run())
+    assert record.ttft_s == pytest.approx(live_ttft) and record.tpot_s == pytest.approx(live_tpot)
+
+
+def test_rel_error():
+    assert rel_error(120.0, 100.0) == pytest.approx(0.2)
+    assert rel_error(0.0, 0.0) == 0.0 and rel_error(0.5, 0.0) == 1.0
+
+
+@pytest.mark.parametrize(("num_cores", "slowdown"), [(None, 1.0), (4.0, 1.0), (2.0, 1.5), (1.0, 3.0)])
+def test_shared_cores_slow_concurrent_steps(profile, num_cores, slowdown):
+    """Three one-thread replicas each start a lone prefill at t=0: on `num_cores` cores every step takes
+    max(1, 3 / cores) times its profiled time (the first one alone: it starts before the others are busy)."""
+    spec = ClusterSpec(mode="colocated", num_decode=3, decode=EngineSpec(), num_cores=num_cores)
+    records = Simulation(spec, profile, [SimRequest(i, 0.0, 500, 1) for i in range(3)]).run()
+    alone = profile.for_role("decode").prefill_time_s(500)
+    assert max(r.ttft_s for r in records) == pytest.approx(alone * slowdown)
+
+
+def test_calibration_is_validated():
+    with pytest.raises(ValueError, match="prefill_scale"):
+        Calibration(prefill_scale=0)
+    with pytest.raises(ValueError, match="num_cores"):
+        ClusterSpec(num_cores=0)

@@ -1,0 +1,108 @@
+"""`pdserve-loadtest validate` and `python -m pdserve.sim plan`: their output's shape, and bad input as one
+line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pdserve.loadtest.cli import main as loadtest_main
+from pdserve.sim.cli import main as sim_main
+from pdserve.sim.config import SimRequest
+from pdserve.sim.plan import PlanSpec, find_rate, plan_cluster, trace_lengths
+
+REPO = Path(__file__).resolve().parents[3]
+PROFILE = REPO / "loadtest/scenarios/profiles/random-llama-h512-l4.json"
+REPORT = REPO / "loadtest/results/disagg-vs-colocated/summary.json"
+
+
+def test_validate_puts_each_measured_figure_beside_a_prediction(monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "validation.json"
+    out.write_text(json.dumps({"other-scenario": {"max_abs_rel_error": 0.0, "figures": {}}}))
+    assert loadtest_main(["validate", "disagg-vs-colocated", "--json", "--write", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    result = printed["disagg-vs-colocated"]
+    report = json.loads(REPORT.read_text())
+    expected = {f"{t['name']}/goodput_rps" for t in report["targets"]}
+    for t in report["targets"]:
+        for p in t["points"]:
+            expected |= {f"{t['name']}/{p['rate']:.3g}/{k}" for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms",
+                                                                     "tpot_p90_ms")}
+    assert set(result["figures"]) == expected
+    for name, fig in result["figures"].items():
+        assert isinstance(fig["predicted"], float) and isinstance(fig["measured"], float), name
+    goodput = result["figures"]["disaggregated/goodput_rps"]
+    assert goodput["measured"] == report["targets"][0]["goodput"]
+    p = next(p for p in report["targets"][0]["points"] if p["rate"] == 0.25)
+    assert result["figures"]["disaggregated/0.25/ttft_p90_ms"]["measured"] == p["summary"]["ttft_ms"]["p90"]
+    errors = [abs(f["predicted"] - f["measured"]) / f["measured"] for f in result["figures"].values() if f["measured"]]
+    assert result["max_abs_rel_error"] == pytest.approx(max(errors))
+    assert result["calibration"]["disaggregated"]["source"] == "machine check"
+    assert json.loads(out.read_text()).keys() == {"other-scenario", "disagg-vs-colocated"}
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["validate", "no-such-scenario"], "cannot read scenario"),
+    (["validate", "disagg-vs-colocated", "--report", "{missing}"], "cannot read report"),
+    (["validate", "disagg-vs-colocated", "--report", "{garbage.json}"], "not JSON"),
+    (["validate", "disagg-vs-colocated", "--report", "{other.json}"], "not a scenario report"),
+    (["validate", "disagg-vs-colocated", "--profile", "{garbage.json}"], "not a latency profile"),
+    (["validate", "disagg-vs-colocated", "--profile", "{missing}"], "cannot read profile"),
+])
+def test_validate_bad_input_is_one_line_and_exit_code_2(monkeypatch, tmp_path, capsys, argv, needle):
+    monkeypatch.chdir(REPO)
+    (tmp_path / "garbage.json").write_text("{not json")
+    (tmp_path / "other.json").write_text('{"scenario": "x"}')
+    argv = [str(tmp_path / a[1:-1]) if a.startswith("{") else a for a in argv]
+    assert loadtest_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_find_rate_doubles_then_bisects():
+    capacity = 37.0
+    seen = []
+
+    def attainment(rate: float) -> float:
+        seen.append(rate)
+        return 1.0 if rate <= capacity else 0.5
+
+    rate = find_rate(attainment, 1.0, 0.9, steps=8)
+    assert seen[:7] == [1, 2, 4, 8, 16, 32, 64]
+    assert 32 <= rate <= capacity and capacity / rate < 1.05
+
+
+def test_plan_compares_both_shapes_at_the_same_gpu_count(profile):
+    trace = [SimRequest(i, 0.0, p, 16) for i, p in enumerate((200, 400, 800))]
+    spec = PlanSpec(gpus=10, unit_gpus=3, ttft_slo_s=0.5, tpot_slo_s=0.05, window_s=5.0, min_requests=20,
+                    chunk_budgets=(512,), bisect_steps=2)
+    result = plan_cluster(profile, trace_lengths(trace), spec)
+    assert set(result["shapes"]) == {"disaggregated 1P+2D", "disaggregated 2P+1D", "colocated 3x chunk 512"}
+    d, c = result["disaggregated"], result["colocated"]
+    assert d["gpus_used"] == c["gpus_used"] == 9 and d["units"] == 3
+    assert d["prefill_replicas"] + d["decode_replicas"] == 9 and c["decode_replicas"] == 9
+    unit = result["shapes"][d["unit"]]
+    assert d["goodput_rps"] == pytest.approx(3 * unit["unit_goodput_rps"]) and unit["unit_goodput_rps"] > 0
+    assert d["goodput_rps"] == max(
+        3 * s["unit_goodput_rps"] for s in result["shapes"].values() if s["mode"] == "disaggregated")
+    assert d["routers"] >= 1 and d["redis_bytes"] > 0
+    with pytest.raises(ValueError, match="unit_gpus"):
+        PlanSpec(gpus=4, unit_gpus=8)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["plan", "--trace", "{missing}"], "cannot read trace"),
+    (["plan", "--trace", "{garbage.jsonl}"], "not a trace record"),
+    (["plan", "--profile", "{missing}"], "cannot read profile"),
+    (["plan", "--profile", "{garbage.json}"], "not a latency profile"),
+    (["plan", "--gpus", "4", "--unit-gpus", "8"], "unit_gpus"),
+])
+def test_plan_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, needle):
+    (tmp_path / "garbage.json").write_text("{not json")
+    (tmp_path / "garbage.jsonl").write_text('{"timestamp": 1, "input_length": 5}\n')
+    argv = [str(tmp_path / a[1:-1]) if a.startswith("{") else a for a in argv]
+    assert sim_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
