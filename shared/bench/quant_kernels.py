@@ -5,7 +5,11 @@ and, on FP8 hardware, e4m3 weights, at Llama-3-8B's linear shapes and M = 1 (GEM
 activations: the kernel's time (CUDA events, L2 flushed before each call, median), its achieved
 bandwidth on the bytes it must read and write (weights + scales/offsets + x + y) as a fraction of a
 device-to-device copy measured in the same run (read + write bytes), and its speed against
-`F.linear` over the dequantized bf16 weight. Exits 2 with one line where there is no CUDA device.
+`F.linear` over the dequantized bf16 weight. int4 and int8 are timed through both kernel paths of
+quant_matmul ("gemv": no tl.dot, "dot": dequantized tiles through tl.dot): `{kind}_{rows}_{key}` is the
+best path's median (its name in `{kind}_{rows}_best_path`), `{kind}_{rows}_{path}_path_{key}` each
+path's, and `int4_gemv_bandwidth_share` / `int8_gemv_bandwidth_share` the GEMV figures to watch.
+Exits 2 with one line where there is no CUDA device.
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
+PATHS = ("gemv", "dot")  # quant_matmul's kernel paths, timed at every row count
+
+
 def _case(kind: str, rows: str, shape: str, iters: int, flush: torch.Tensor, copy_gb_s: float,
-          gen: torch.Generator) -> dict:
+          gen: torch.Generator) -> list[dict]:
     from pdserve.kernels.fp8_matmul import fp8_matmul, quantize_fp8_rows
     from pdserve.kernels.quant_matmul import dequantize_ref, n_major, pack_int4, quant_matmul
 
@@ -43,9 +50,7 @@ def _case(kind: str, rows: str, shape: str, iters: int, flush: torch.Tensor, cop
         w8, w_scale = quantize_fp8_rows(torch.randn(n, k, device="cuda", generator=gen))
         w = (w8.float() * w_scale[:, None]).to(DTYPE)
         operands = [w8, w_scale]
-
-        def kernel() -> torch.Tensor:
-            return fp8_matmul(x, w8, w_scale)
+        kernels = {"fp8": lambda: fp8_matmul(x, w8, w_scale)}
     else:
         bits = int(kind[3:])
         codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, device="cuda", generator=gen)
@@ -55,22 +60,27 @@ def _case(kind: str, rows: str, shape: str, iters: int, flush: torch.Tensor, cop
         w = dequantize_ref(packed, scale, offset, bits, GROUP_SIZE).to(DTYPE)
         del codes
         operands = [packed, scale, offset]
+        kernels = {
+            path: lambda path=path: quant_matmul(x, packed, scale, offset, bits, GROUP_SIZE, path=path)
+            for path in PATHS
+        }
 
-        def kernel() -> torch.Tensor:
-            return quant_matmul(x, packed, scale, offset, bits, GROUP_SIZE)
-
-    y, expected = kernel(), F.linear(x, w)
-    rel_err = ((y.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
-    nbytes = sum(t.numel() * t.element_size() for t in [*operands, x, y])
-    ms = cuda_time_ms(kernel, iters, flush=flush)
+    expected = F.linear(x, w)
     bf16_ms = cuda_time_ms(lambda: F.linear(x, w), iters, flush=flush)
-    gb_s = nbytes / (ms * 1e-3) / 1e9
-    return {
-        "kind": kind, "rows": rows, "shape": shape, "m": m, "n": n, "k": k,
-        "ms": round(ms, 4), "bf16_ms": round(bf16_ms, 4), "gb_s": round(gb_s, 1),
-        "bandwidth_share": round(gb_s / copy_gb_s, 3), "speedup_vs_bf16": round(bf16_ms / ms, 3),
-        "max_rel_err_vs_bf16": round(rel_err, 5),
-    }
+    cases = []
+    for path, kernel in kernels.items():
+        y = kernel()
+        rel_err = ((y.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+        nbytes = sum(t.numel() * t.element_size() for t in [*operands, x, y])
+        ms = cuda_time_ms(kernel, iters, flush=flush)
+        gb_s = nbytes / (ms * 1e-3) / 1e9
+        cases.append({
+            "kind": kind, "rows": rows, "shape": shape, "path": path, "m": m, "n": n, "k": k,
+            "ms": round(ms, 4), "bf16_ms": round(bf16_ms, 4), "gb_s": round(gb_s, 1),
+            "bandwidth_share": round(gb_s / copy_gb_s, 3), "speedup_vs_bf16": round(bf16_ms / ms, 3),
+            "max_rel_err_vs_bf16": round(rel_err, 5),
+        })
+    return cases
 
 
 def run(quick: bool = False, seed: int = 0) -> dict:
@@ -89,15 +99,25 @@ def run(quick: bool = False, seed: int = 0) -> dict:
     for kind in kinds:
         for rows in ROWS:
             for shape in SHAPES:
-                cases.append(_case(kind, rows, shape, iters, flush, copy_gb_s, gen))
-                _log(str(cases[-1]))
+                for case in _case(kind, rows, shape, iters, flush, copy_gb_s, gen):
+                    cases.append(case)
+                    _log(str(case))
                 torch.cuda.empty_cache()
     summary = {}
     for kind in kinds:
         for rows in ROWS:
-            mine = [c for c in cases if c["kind"] == kind and c["rows"] == rows]
-            for key in ("bandwidth_share", "speedup_vs_bf16"):
-                summary[f"{kind}_{rows}_{key}"] = round(statistics.median(c[key] for c in mine), 3)
+            per_path = {}
+            for path in sorted({c["path"] for c in cases if c["kind"] == kind}):
+                mine = [c for c in cases if c["kind"] == kind and c["rows"] == rows and c["path"] == path]
+                per_path[path] = {key: round(statistics.median(c[key] for c in mine), 3)
+                                  for key in ("bandwidth_share", "speedup_vs_bf16")}
+                if kind != "fp8":
+                    for key, value in per_path[path].items():
+                        summary[f"{kind}_{rows}_{path}_path_{key}"] = value
+            best = max(per_path, key=lambda p: per_path[p]["bandwidth_share"])
+            summary.update({f"{kind}_{rows}_{key}": value for key, value in per_path[best].items()})
+            if kind != "fp8":
+                summary[f"{kind}_{rows}_best_path"] = best
     return {
         "device": torch.cuda.get_device_name(0), "dtype": "bfloat16", "group_size": GROUP_SIZE,
         "fp8": "fp8" in kinds, "iters": iters, "copy_gb_s": round(copy_gb_s, 1),

@@ -10,9 +10,16 @@ scale, offset: [N, K / group], float32 or float16 (read as float32), any strides
 (`n_major`, as CudaQuantLinear keeps them) a tile's scales are one coalesced read. Dequantized tiles are
 cast to x's dtype for `tl.dot`, accumulation is float32.
 
-Grid (M / BLOCK_M, N / BLOCK_N, S): decode (M <= 16) is one 16-row tile per program over BLOCK_N
-output channels, split over K into S slices when the N tiles alone do not fill the GPU (partials
-[S, M, N] float32, summed after); prefill tiles M and N and keeps S = 1.
+Two paths, `quant_matmul` choosing by M (or `path=`):
+- "gemv" (M <= GEMV_ROWS): no tl.dot. A program owns BLOCK_N output channels and a K slice, reads
+  [BLOCK_N, BLOCK_K / STEP] byte tiles (wide contiguous loads along K), and for each of its <= 8 rows
+  of x sums code * x per group in float32, then applies the group's scale and offset once:
+  y[n] = sum_g scale[n, g] * sum_{k in g} code[n, k] x[k] + offset[n, g] * sum_{k in g} x[k].
+  The weight tile is read once for all rows; rows beyond 8 are further programs.
+- "dot": grid (M / BLOCK_M, N / BLOCK_N, S), dequantized tiles through tl.dot; at M <= 16 one 16-row
+  tile per program over BLOCK_N output channels.
+Both split K into S slices when the N tiles alone do not fill the GPU (partials [S, M, N] float32,
+summed after).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import triton.language as tl
 from pdserve.kernels._triton import upcast_for_interpreter
 
 DECODE_ROWS = 16
+GEMV_ROWS = 8  # "gemv" path up to this many rows (rows of x per program)
+GEMV_WAVES = 4  # split K until ~this many gemv programs per SM: bytes in flight for the memory system
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -117,6 +126,93 @@ def _quant_matmul_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _quant_gemv_kernel(
+    x_ptr, packed_ptr, scale_ptr, offset_ptr, out_ptr,
+    M, N, K, iters_per_split,
+    stride_xm, stride_xk, stride_pn, stride_sn, stride_sg, stride_os, stride_om,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SUBK: tl.constexpr, PER_ELEM: tl.constexpr,
+):
+    # a tile is [BLOCK_N, BLOCK_K / SUBK, SUBK / STEP] bytes: SUBK k share one scale column per row
+    # (SUBK divides GROUP or GROUP divides BLOCK_K), or PER_ELEM: every byte gathers its own scale
+    pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    STEP: tl.constexpr = 2 if BITS == 4 else 1
+    GPT: tl.constexpr = BLOCK_K // SUBK
+    GB: tl.constexpr = SUBK // STEP
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    n3 = offs_n[:, None, None]
+    j = tl.arange(0, GPT)[:, None] * GB + tl.arange(0, GB)[None, :]  # [GPT, GB]: byte in the tile
+    rows = tl.arange(0, ROWS)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    it0 = pid_s * iters_per_split
+    for it in range(it0, it0 + iters_per_split):
+        k0 = it * BLOCK_K
+        k = k0 + j * STEP  # [GPT, GB]: k of each byte's (low) code
+        jb = k0 // STEP + j  # byte of k in its row: the mask is over contiguous bytes, the loads vectorize
+        mask_k = jb < K // STEP
+        wmask = mask_n[:, None, None] & mask_k[None, :, :]
+        byte = tl.load(packed_ptr + n3 * stride_pn + jb[None, :, :], mask=wmask, other=0)
+        if PER_ELEM:
+            at = n3 * stride_sn + (k // GROUP)[None, :, :] * stride_sg
+            smask = wmask
+        else:
+            kg = k0 + tl.arange(0, GPT) * SUBK  # [GPT]
+            at = offs_n[:, None] * stride_sn + (kg // GROUP)[None, :] * stride_sg  # [BLOCK_N, GPT]
+            smask = mask_n[:, None] & (kg < K)[None, :]
+        s = tl.load(scale_ptr + at, mask=smask, other=0.0).to(tl.float32)
+        o = tl.load(offset_ptr + at, mask=smask, other=0.0).to(tl.float32)
+        if BITS == 4:
+            lo = (byte & 15).to(tl.float32)
+            hi = (byte >> 4).to(tl.float32)
+            if PER_ELEM:
+                lo = lo * s + o
+                hi = hi * s + o
+        else:
+            lo = byte.to(tl.float32)
+            if PER_ELEM:
+                lo = lo * s + o
+        for r in tl.static_range(ROWS):
+            m = tl.minimum(pid_m * ROWS + r, M - 1)  # rows past M: computed, never stored
+            x_at = x_ptr + m * stride_xm + k * stride_xk  # [GPT, GB]
+            xe = tl.load(x_at, mask=mask_k, other=0.0).to(tl.float32)
+            prod = lo * xe[None, :, :]
+            if BITS == 4:
+                xo = tl.load(x_at + stride_xk, mask=mask_k, other=0.0).to(tl.float32)
+                prod += hi * xo[None, :, :]
+            if PER_ELEM:
+                part = tl.sum(tl.sum(prod, axis=2), axis=1)  # [BLOCK_N]
+            else:
+                xsum = tl.sum(xe, axis=1)  # [GPT]
+                if BITS == 4:
+                    xsum += tl.sum(xo, axis=1)
+                part = tl.sum(s * tl.sum(prod, axis=2) + o * xsum[None, :], axis=1)
+            acc = tl.where((rows == r)[:, None], acc + part[None, :], acc)
+    offs_m = pid_m * ROWS + rows
+    out = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & mask_n[None, :])
+
+
+def gemv_config(m: int, n: int, k: int, bits: int, num_sms: int = 132) -> tuple[int, int, int, int]:
+    """(ROWS, BLOCK_N, BLOCK_K, splits) of the gemv path: 256 bytes of each of 16 weight rows per
+    iteration; K split until ~GEMV_WAVES programs per SM, at most 16 slices."""
+    rows = min(triton.next_power_of_2(max(m, 1)), GEMV_ROWS)
+    block_n, block_k = 16, 256 * (2 if bits == 4 else 1)
+    iters = triton.cdiv(k, block_k)
+    programs = triton.cdiv(n, block_n) * triton.cdiv(max(m, 1), rows)
+    splits = max(1, min(triton.cdiv(GEMV_WAVES * num_sms, programs), iters, 16))
+    return rows, block_n, block_k, splits
+
+
+def gemv_sub_tile(bits: int, group_size: int, block_k: int) -> int:
+    """k per sub-tile sharing one scale column (the gemv kernel's SUBK); 0: per-element scales."""
+    subk = min(group_size, block_k)
+    if (group_size % block_k == 0 or block_k % group_size == 0) and subk >= (2 if bits == 4 else 1):
+        return subk
+    return 0
+
+
 def choose_config(
     m: int, n: int, k: int, num_sms: int = 132, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[int, int, int, int]:
@@ -153,12 +249,15 @@ def _num_sms(device: torch.device) -> int:
 
 def quant_matmul(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-    group_size: int, splits: int | None = None,
+    group_size: int, splits: int | None = None, path: str | None = None,
 ) -> torch.Tensor:
     """x [..., K] (fp32, fp16 or bf16) -> [..., N] in x's dtype; packed/scale/offset as in the module
-    docstring. `splits` forces the split-K count (None: choose_config's)."""
+    docstring. `splits` forces the split-K count (None: the path's config); `path` forces "gemv" or
+    "dot" (None: "gemv" up to GEMV_ROWS rows)."""
     if bits not in (4, 8):
         raise ValueError(f"quant_matmul: bits must be 4 or 8, got {bits}")
+    if path not in (None, "gemv", "dot"):
+        raise ValueError(f"quant_matmul: path must be 'gemv', 'dot' or None, got {path!r}")
     n = packed.shape[0]
     k = packed.shape[1] * (2 if bits == 4 else 1)
     if x.shape[-1] != k or k % group_size or scale.shape != (n, k // group_size) or offset.shape != scale.shape:
@@ -169,7 +268,11 @@ def quant_matmul(
     assert packed.dtype == torch.uint8 and packed.stride(1) == 1 and offset.stride() == scale.stride()
     rows = x.reshape(-1, k)
     m = rows.shape[0]
-    block_m, block_n, block_k, chosen = choose_config(m, n, k, _num_sms(x.device), x.dtype)
+    gemv = path == "gemv" or (path is None and m <= GEMV_ROWS)
+    if gemv:
+        block_m, block_n, block_k, chosen = gemv_config(m, n, k, bits, _num_sms(x.device))
+    else:
+        block_m, block_n, block_k, chosen = choose_config(m, n, k, _num_sms(x.device), x.dtype)
     iters = triton.cdiv(k, block_k)
     splits = max(1, min(splits or chosen, iters))
     iters_per_split = triton.cdiv(iters, splits)
@@ -178,12 +281,19 @@ def quant_matmul(
         out = torch.empty(1, m, n, dtype=x.dtype, device=x.device)
     else:
         out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    if m:
+    args = (rows, packed, scale, offset, out, m, n, k, iters_per_split, rows.stride(0), rows.stride(1),
+            packed.stride(0), *scale.stride(), out.stride(0), out.stride(1))
+    if m and gemv:
+        grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))
+        subk = gemv_sub_tile(bits, group_size, block_k)
+        _quant_gemv_kernel[grid](
+            *args, BITS=bits, GROUP=group_size, ROWS=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            SUBK=subk or block_k, PER_ELEM=subk == 0, num_warps=4,
+        )
+    elif m:
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
         _quant_matmul_kernel[grid](
-            rows, packed, scale, offset, out, m, n, k, iters_per_split,
-            rows.stride(0), rows.stride(1), packed.stride(0), *scale.stride(), out.stride(0), out.stride(1),
-            BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            *args, BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             SUB=sub_tile(bits, group_size, block_k), UPCAST=upcast_for_interpreter(x.dtype),
         )
     y = out[0] if splits == 1 else out.sum(0).to(x.dtype)

@@ -63,16 +63,15 @@ def load_model(
     pack_weights: bool = False, quantization: str = "none",
 ) -> tuple[torch.nn.Module, ModelConfig]:
     """pack_weights: on CPU, reorder linear weights for oneDNN (pdserve.models.linear).
-    quantization: "none" | "auto" | "int8" | "int4" weight-only linears (pdserve.models.quant_load);
-    a quantized linear keeps only its quantized copy, and is never packed."""
+    quantization: "none" | "auto" | "int8" | "int4" | "fp8" weight-only linears (pdserve.models.quant_load:
+    QuantLinear on CPU, CudaQuantLinear on CUDA); a quantized linear keeps only its quantized copy, and
+    is never packed."""
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     model_cls = MODEL_REGISTRY[config.architecture]
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(config, max_positions=max_positions)
     plan = plan_quantization(model, config, model_dir, quantization)
-    if (plan.from_blocks or plan.from_float) and torch.device(device).type != "cpu":
-        raise ValueError(f"quantization {quantization!r}: weight-only quantized linears run on CPU only")
     apply_blocks(model, model_dir, plan, dtype)
     skipped = plan.skipped_float_weights
     filled = model.load_weights((n, t) for n, t in iter_weights(model_dir, skipped))

@@ -56,6 +56,20 @@ def test_quant_matmul_real_shapes(qm, bits, dtype, n, k, m):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096)])
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_and_dot_paths_agree_at_real_shapes(qm, bits, n, k, m):
+    packed, scale, offset, gen = _operands(qm, bits, n, k, seed=bits + m)
+    scale, offset = qm.n_major(scale), qm.n_major(offset)  # as CudaQuantLinear holds them
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    expected = x.float() @ qm.dequantize_ref(packed, scale, offset, bits, 32).t()
+    for path in ("gemv", "dot"):
+        for splits in (None, 1, 5):
+            y = qm.quant_matmul(x, packed, scale, offset, bits, 32, splits=splits, path=path)
+            assert_matches(y, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [3, 70, 1500])
 def test_quant_matmul_odd_rows_fp32_scales_and_splits(qm, bits, m):
     n, k = 1000, 4128  # N not a multiple of BLOCK_N, K not of BLOCK_K
@@ -64,6 +78,9 @@ def test_quant_matmul_odd_rows_fp32_scales_and_splits(qm, bits, m):
     expected = x.float() @ qm.dequantize_ref(packed, scale, offset, bits, 32).t()
     for splits in (None, 1, 7):
         assert_matches(qm.quant_matmul(x, packed, scale, offset, bits, 32, splits=splits), expected,
+                       torch.bfloat16)
+    if m <= 70:
+        assert_matches(qm.quant_matmul(x, packed, scale, offset, bits, 32, path="gemv"), expected,
                        torch.bfloat16)
     x32 = x.float()
     assert_matches(qm.quant_matmul(x32, packed, scale, offset, bits, 32), expected, torch.float32)

@@ -9,8 +9,11 @@ from pdserve.kernels.fp8_matmul import (
     quantize_fp8_rows,
 )
 from pdserve.kernels.quant_matmul import (
+    GEMV_ROWS,
     choose_config,
     dequantize_ref,
+    gemv_config,
+    gemv_sub_tile,
     pack_int4,
     quant_matmul,
     quant_matmul_ref,
@@ -58,6 +61,35 @@ def test_quant_matmul_matches_reference(bits, m, dtype):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_path_matches_reference(bits, m, dtype):
+    n, k, group = 37, 1056, 32  # N odd; K: 33 groups, not a multiple of BLOCK_K (512 int4, 256 int8)
+    q, packed = _operands(bits, n, k, group, seed=bits + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    expected = quant_matmul_ref(x, packed, q.scale, q.offset, bits, group)
+    for splits in (None, 1, 2, 3):
+        y = quant_matmul(x, packed, q.scale, q.offset, bits, group, splits=splits, path="gemv")
+        assert_matches(y, expected, dtype)
+    assert_matches(quant_matmul(x, packed, q.scale, q.offset, bits, group, path="dot"), expected, dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemv_path_group_layouts_and_many_rows(bits):
+    # group 128 (two per int8 tile), group 1024 (multiple of the tile), group 48 (per-element scales);
+    # 11 rows: two row blocks of 8
+    gen = torch.Generator().manual_seed(bits)
+    for k, group in ((640, 128), (2048, 1024), (480, 48)):
+        q = quantize_rtn(torch.randn(19, k, generator=gen), bits, group, "w")
+        packed = pack_int4(q.codes) if bits == 4 else q.codes
+        x = torch.randn(11, k, generator=gen)
+        y = quant_matmul(x, packed, q.scale.half(), q.offset.half(), bits, group, path="gemv")
+        assert_matches(y, x @ dequantize_ref(packed, q.scale.half(), q.offset.half(), bits, group).t(),
+                       torch.float32)
+    assert gemv_sub_tile(bits, 48, 256 * (2 if bits == 4 else 1)) == 0
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("splits", [1, 2, 3, 5])
 def test_split_k_and_strided_input_and_half_scales(bits, splits):
     n, k, group = 48, 544, 32  # 5 BLOCK_K iterations at decode
@@ -89,12 +121,18 @@ def test_int8_per_channel_and_gguf_blocks():
 
 
 def test_choose_config_splits_decode_only():
+    rows, block_n, _, splits = gemv_config(1, 4096, 4096, 4, num_sms=132)
+    assert rows == 1 and 4096 // block_n * splits >= 2 * 132
+    assert gemv_config(5, 28672, 4096, 8, num_sms=132)[::3] == (GEMV_ROWS, 1)  # N alone fills the GPU
     assert choose_config(1, 4096, 4096, num_sms=132)[3] > 1
     assert choose_config(1, 4096, 256, num_sms=132)[3] == 1  # too few K iterations to split
     assert choose_config(512, 4096, 4096)[3] == 1
     with pytest.raises(ValueError, match="do not agree"):
         quant_matmul(torch.randn(1, 64), torch.zeros(8, 16, dtype=torch.uint8), torch.ones(8, 1),
                      torch.zeros(8, 1), 4, 32)
+    with pytest.raises(ValueError, match="path"):
+        quant_matmul(torch.randn(1, 64), torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2),
+                     torch.zeros(8, 2), 4, 32, path="gemm")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
