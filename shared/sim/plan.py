@@ -40,6 +40,9 @@ class PlanSpec:
     window_s: float = 30.0  # arrivals simulated per rate: 30x a 1 s TTFT SLO, so a backlog shows
     min_requests: int = 200
     chunk_budgets: tuple[int, ...] = (512, 2048)  # colocated: max_num_batched_tokens tried
+    # also colocated without chunked prefill (a prompt runs whole in one step, budget 16384): the baseline
+    # DistServe compared against; reported, never chosen as the colocated plan
+    unchunked: bool = True
     # 8B bf16 on an 80 GiB H100 (docs/simulator.md), vLLM's default of 256 sequences a step
     engine: EngineSpec = field(default_factory=lambda: EngineSpec(max_num_seqs=256, num_blocks=29205))
     policy: str = "least_loaded"
@@ -110,6 +113,9 @@ def _shapes(spec: PlanSpec) -> list[tuple[str, ClusterSpec]]:
     for budget in spec.chunk_budgets:
         engine = replace(spec.engine, max_num_batched_tokens=budget)
         out.append((f"colocated {n}x chunk {budget}", ClusterSpec("colocated", 0, n, engine, engine, router)))
+    if spec.unchunked:
+        engine = replace(spec.engine, max_num_batched_tokens=16384, enable_chunked_prefill=False)
+        out.append((f"colocated {n}x no chunking", ClusterSpec("colocated", 0, n, engine, engine, router)))
     return out
 
 
@@ -130,6 +136,7 @@ def plan_cluster(profile: LatencyProfile, lengths: Lengths, spec: PlanSpec) -> d
         at = points.get(rate, {})
         shapes[name] = {"mode": cluster.mode, "prefill": cluster.num_prefill if cluster.mode == "disaggregated" else 0,
                         "decode": cluster.num_decode, "max_num_batched_tokens": cluster.decode.max_num_batched_tokens,
+                        "unchunked": cluster.mode == "colocated" and not cluster.decode.enable_chunked_prefill,
                         "unit_goodput_rps": rate, "runs": len(points),
                         **{k: at.get(k) for k in ("slo_attainment", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s",
                                                   "tpot_p90_s")}}
@@ -142,7 +149,8 @@ def plan_cluster(profile: LatencyProfile, lengths: Lengths, spec: PlanSpec) -> d
 def _scaled(profile: LatencyProfile, spec: PlanSpec, shapes: dict[str, dict[str, Any]], mode: str,
             mean_prompt: float, lengths: Lengths, slo: SLO) -> dict[str, Any]:
     """The best unit of `mode`, replicated over the budget, with its routers and Redis."""
-    name, best = max(((k, v) for k, v in shapes.items() if v["mode"] == mode), key=lambda kv: kv[1]["unit_goodput_rps"])
+    name, best = max(((k, v) for k, v in shapes.items() if v["mode"] == mode and not v["unchunked"]),
+                     key=lambda kv: kv[1]["unit_goodput_rps"])
     units = spec.gpus // spec.unit_gpus
     rate = units * best["unit_goodput_rps"]
     e2e = 0.0

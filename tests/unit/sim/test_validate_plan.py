@@ -77,7 +77,7 @@ def test_find_rate_doubles_then_bisects():
 def test_plan_compares_both_shapes_at_the_same_gpu_count(profile):
     trace = [SimRequest(i, 0.0, p, 16) for i, p in enumerate((200, 400, 800))]
     spec = PlanSpec(gpus=10, unit_gpus=3, ttft_slo_s=0.5, tpot_slo_s=0.05, window_s=5.0, min_requests=20,
-                    chunk_budgets=(512,), bisect_steps=2)
+                    chunk_budgets=(512,), bisect_steps=2, unchunked=False)
     result = plan_cluster(profile, trace_lengths(trace), spec)
     assert set(result["shapes"]) == {"disaggregated 1P+2D", "disaggregated 2P+1D", "colocated 3x chunk 512"}
     d, c = result["disaggregated"], result["colocated"]
