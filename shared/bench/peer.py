@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "peer", "gguf": gguf.name, "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "client": "asyncio httpx, in process, closed loop; /v1/completions with token prompts, greedy, ignore_eos",
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens}
-    servers = {"pdserve": PdserveServer(args.port, DEFAULT_MODEL),
+    servers = {"pdserve": PdserveServer(args.port, DEFAULT_MODEL, args.quantization),
                "llama_cpp": LlamaCppServer(args.peer_venv, XLLAMACPP, gguf, args.port,
                                            args.peer_threads or os.cpu_count(), args.peer_slots or max(concurrencies))}
     for name in args.order.split(","):
@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--order", default="pdserve,llama_cpp", help="which server runs first")
     p.add_argument("--idle-s", type=float, default=5.0, help="quiet seconds before memory is read")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", choices=["none", "auto", "int8", "int4"], default=None,
+                   help="pdserve serve --quantization (default: not passed, pdserve's defaults)")
     args = p.parse_args(argv)
     if sorted(args.order.split(",")) != ["llama_cpp", "pdserve"]:
         p.error("--order must name pdserve and llama_cpp once each")

@@ -106,19 +106,22 @@ class Server(ABC):
 
 
 class PdserveServer(Server):
-    """`pdserve serve` with its default flags (the port aside, when another is asked)."""
+    """`pdserve serve` with its default flags (the port aside, when another is asked, and a quantization,
+    when one is asked: then the figures are not those of the defaults, and the settings say so)."""
 
-    def __init__(self, port: int, model: str) -> None:
+    def __init__(self, port: int, model: str, quantization: str | None = None) -> None:
         super().__init__(port)
         self.model = model
         self.port = port
-        self.settings = {"command": " ".join(["pdserve", "serve", *self._port_flag()])}
+        self.quantization = quantization
+        self.settings = {"command": " ".join(["pdserve", "serve", *self._flags()])}
 
-    def _port_flag(self) -> list[str]:
-        return [] if self.port == 8000 else ["--port", str(self.port)]
+    def _flags(self) -> list[str]:
+        port = [] if self.port == 8000 else ["--port", str(self.port)]
+        return port + (["--quantization", self.quantization] if self.quantization else [])
 
     def command(self) -> list[str]:
-        return [str(Path(sys.executable).with_name("pdserve")), "serve", *self._port_flag()]
+        return [str(Path(sys.executable).with_name("pdserve")), "serve", *self._flags()]
 
     def is_worker(self, proc: psutil.Process) -> bool:
         name = " ".join(proc.cmdline())
