@@ -16,19 +16,20 @@ step. A killed rank closes its sockets and the driver's next collective raises a
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
-import pickle
 import subprocess
 import sys
 import time
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pdserve.config import EngineConfig
+from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.tp_step import pack_step
 from pdserve.models.config import ModelConfig
 from pdserve.models.linear import pack_linears
@@ -45,6 +46,18 @@ IDLE_TIMEOUT = datetime.timedelta(days=7)  # workers wait for the next step as l
 
 class TensorParallelError(RuntimeError):
     """A rank died, hung past the step timeout or failed: the replica cannot step any more."""
+
+
+def worker_settings(config: EngineConfig) -> dict[str, Any]:
+    """The EngineConfig fields a worker rank reads, as JSON (a rank's arguments travel on its stdin)."""
+    return {"model": config.model, "device": config.device, "dtype": config.resolved_dtype,
+            "quantization": config.quantization, "pack_weights": config.pack_weights,
+            "attention_backend": config.attention_backend,
+            "cache": {"block_size": config.cache.block_size, "kv_cache_dtype": config.cache.kv_cache_dtype}}
+
+
+def worker_config(settings: dict[str, Any]) -> EngineConfig:
+    return EngineConfig(**{**settings, "cache": CacheConfig(**settings["cache"])})
 
 
 def load_shard(model_dir: str, config: EngineConfig, rank: int, world_size: int,
@@ -96,10 +109,10 @@ class TensorParallelModel(nn.Module):
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, world_size):
             args = {"rank": rank, "world_size": world_size, "port": self.store.port, "model_dir": str(model_dir),
-                    "config": config, "num_blocks": num_blocks, "max_positions": max_positions,
+                    "config": worker_settings(config), "num_blocks": num_blocks, "max_positions": max_positions,
                     "num_threads": num_threads, "step_timeout_s": step_timeout_s}
             proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.tp_worker"], stdin=subprocess.PIPE)
-            proc.stdin.write(pickle.dumps(args))
+            proc.stdin.write(json.dumps(args).encode())
             proc.stdin.close()
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _kill, list(self.procs))

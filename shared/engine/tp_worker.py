@@ -1,24 +1,24 @@
-"""A tensor-parallel worker rank (`python -m pdserve.engine.tp_worker`, arguments pickled on stdin): load
+"""A tensor-parallel worker rank (`python -m pdserve.engine.tp_worker`, arguments as JSON on stdin): load
 and shard the model, report to the driver through the store, then run each broadcast step's forward."""
 
 from __future__ import annotations
 
 import datetime
-import pickle
+import json
 import sys
 import traceback
 
 import torch
 import torch.distributed as dist
 
-from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.tp_group import STOP, bind_group, broadcast, load_shard, make_groups
+from pdserve.engine.tp_group import STOP, bind_group, broadcast, load_shard, make_groups, worker_config
 from pdserve.engine.tp_step import unpack_step
 
 
-def run_worker(rank: int, world_size: int, port: int, model_dir: str, config: EngineConfig, num_blocks: int,
-                 max_positions: int | None, num_threads: int, step_timeout_s: float) -> None:
+def run_worker(rank: int, world_size: int, port: int, model_dir: str, config: dict, num_blocks: int,
+               max_positions: int | None, num_threads: int, step_timeout_s: float) -> None:
+    config = worker_config(config)
     torch.set_num_threads(num_threads)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                           timeout=datetime.timedelta(seconds=step_timeout_s))
@@ -46,4 +46,4 @@ def run_worker(rank: int, world_size: int, port: int, model_dir: str, config: En
 
 
 if __name__ == "__main__":
-    run_worker(**pickle.load(sys.stdin.buffer))
+    run_worker(**json.load(sys.stdin))
