@@ -55,12 +55,17 @@ class HandoffParams:
     # transports.shm): the node's id (kernel boot, network namespace, user) and the exporter's socket name
     node_id: str | None = None
     local_address: str | None = None
+    # the first block's index in the prompt's block sequence: > 0 for a KVPart after the first, and for the
+    # tail of a handoff whose leading blocks went ahead as parts while prefill ran
+    first_block: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
         object.__setattr__(self, "block_hashes", tuple(int(h) for h in self.block_hashes))
         if self.num_tokens <= 0 or not self.block_ids:
             raise ValueError("a handoff carries at least one token and one block")
+        if self.first_block < 0:
+            raise ValueError("first_block must be non-negative")
         if len(self.block_hashes) > len(self.block_ids):
             raise ValueError("more block hashes than blocks")
 
@@ -93,6 +98,9 @@ class WorkerRequest:
     # trailing prompt tokens that are this request's own output, already sent (a migrated stream): they
     # count as output for penalties and the detokenizer replays them, so text continues exactly
     num_resumed_tokens: int = 0
+    # prefill hands the KV over in parts of about this many tokens while it runs (decode pulls each as it
+    # comes, so only the last part is left when the first token is out); None: all at once at the end
+    kv_part_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -101,6 +109,8 @@ class WorkerRequest:
             raise ValueError("num_resumed_tokens must be in [0, prompt length)")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError("max_prefill_chunk must be at least 1")
+        if self.kv_part_tokens is not None and self.kv_part_tokens < 1:
+            raise ValueError("kv_part_tokens must be at least 1")
         if self.prefix_pull_blocks < 0:
             raise ValueError("prefix_pull_blocks must be non-negative")
         if self.rng_offset < 0:
@@ -167,7 +177,20 @@ DecodeEvent = TokenBatch | FallbackNotice
 
 
 @dataclass(frozen=True, slots=True)
+class KVPart:
+    """Leading blocks of a prompt's KV, exported under their own lease while prefill still runs
+    (`params.first_block` places them); decode pulls them into the reservation it holds for the whole
+    prompt (`num_prompt_tokens`)."""
+
+    params: HandoffParams
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillResult:
     first: TokenBatch  # the first token; finished when the request ends with it
     handoff: HandoffParams | None  # None: nothing to pull (finished, or no KV left to hand off)
     replica: str  # the prefill replica that holds the lease
+
+
+PrefillEvent = KVPart | PrefillResult

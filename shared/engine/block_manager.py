@@ -166,6 +166,11 @@ class BlockManager:
         self.release_blocks(block_ids)
         return num_cached
 
+    def share(self, block_ids: list[int]) -> None:
+        """One more reference to each block (a lease beside the sequence that holds them)."""
+        for block_id in block_ids:
+            self._ref(block_id)
+
     def free(self, seq: Sequence) -> None:
         self.release_blocks(seq.block_table)
         seq.block_table = []

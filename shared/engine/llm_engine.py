@@ -12,6 +12,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.kv_parts import part_tokens, take_parts
 from pdserve.engine.lease import Lease, LeaseTable
 from pdserve.engine.model_runner import ModelRunner, PromptRows, kv_block_bytes
 from pdserve.engine.outputs import EngineStats, GenerationRequest, KVHandoff, TokenDelta
@@ -125,6 +126,9 @@ class LLMEngine:
             priority=request.priority, arrival_time=request.arrival_time,
             max_prefill_chunk=request.max_prefill_chunk,
         )
+        if request.kv_part_tokens is not None:
+            seq.kv_part_tokens = part_tokens(request.kv_part_tokens, seq.block_size)
+            seq.max_prefill_chunk = min(seq.max_prefill_chunk or seq.kv_part_tokens, seq.kv_part_tokens)
         resumed = request.num_resumed_tokens
         if request.params.json_schema is not None:
             # the grammar resumes from the output so far: a resumed tail, then an adopted first token
@@ -237,7 +241,9 @@ class LLMEngine:
         sampled = self.sampler(logits, seqs) if seqs else None
         verified = verify(self.sampler, verify_rows) if verify_rows else []
         self._advance(batch, verified)
-        outputs = self._postprocess(seqs, sampled) if seqs else []
+        outputs = take_parts([seq for seq, _ in batch.prefills], self.block_manager, self.leases)
+        if seqs:
+            outputs.extend(self._postprocess(seqs, sampled))
         for result in verified:
             outputs.extend(self._postprocess_verified(result))
         end = time.perf_counter()
@@ -346,7 +352,8 @@ class LLMEngine:
         # The prompt's KV stays in the pool under a lease; the first token is not yet computed.
         self.scheduler.remove(seq)
         lease = self.leases.grant(seq.block_table, seq.num_computed_tokens)
-        handoff = KVHandoff(lease.lease_id, lease.block_ids, lease.num_tokens, tuple(seq.block_hashes))
+        handoff = KVHandoff(lease.lease_id, lease.block_ids, lease.num_tokens, tuple(seq.block_hashes),
+                            num_parted_blocks=seq.num_parted_blocks)
         seq.block_table, seq.block_hashes = [], []
         self.scheduler.finish(seq, "handoff")
         return handoff

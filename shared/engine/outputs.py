@@ -16,6 +16,8 @@ class KVHandoff:
     block_ids: tuple[int, ...]
     num_tokens: int  # tokens whose K/V are in the blocks
     block_hashes: tuple[int, ...] = ()
+    first_block: int = 0  # a part (kv_part_tokens): its first block's index in the prompt
+    num_parted_blocks: int = 0  # the final handoff after parts: leading blocks already sent as parts
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class GenerationRequest:
     # Trailing prompt tokens that are output already sent (a migrated stream or a local fallback): penalties
     # count them as output, and the detokenizer replays them so held text (a partial character) carries on.
     num_resumed_tokens: int = 0
+    # prefill-only: hand the prompt's full blocks over in parts of this many tokens (rounded up to whole
+    # blocks; chunks are capped to it) as they are computed, each on its own lease (TokenDelta.kv_part)
+    kv_part_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
@@ -51,6 +56,8 @@ class GenerationRequest:
             raise ValueError("adopt_lease_id and first_token_id go together")
         if self.prefill_only and self.adopt_lease_id is not None:
             raise ValueError("a request cannot both prefill-only and adopt KV")
+        if self.kv_part_tokens is not None and (self.kv_part_tokens < 1 or not self.prefill_only):
+            raise ValueError("kv_part_tokens needs a prefill-only request and at least 1 token")
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class TokenDelta:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     kv_handoff: KVHandoff | None = None
+    kv_part: KVHandoff | None = None  # leading blocks leased while the prompt is still being computed (no token)
     queue_time_s: float | None = None  # arrival to first scheduled, on the first token's delta only
     num_prefill_chunks: int = 0
     # on the first token's delta when SamplingParams.prompt_logprobs is set: one entry per prompt token,

@@ -53,6 +53,8 @@ class Sequence(OutputTokens):
     prefill_only: bool = False
     priority: int = 0
     max_prefill_chunk: int | None = None
+    kv_part_tokens: int | None = None  # prefill-only: lease full blocks in parts of this many tokens
+    num_parted_blocks: int = 0  # leading blocks already handed out as parts
     arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
