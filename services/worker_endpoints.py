@@ -84,8 +84,11 @@ class WorkerEndpoints:
         """KV pulls by the path they took ("shm", "ucx", "shm_unreachable": shared memory not reachable, so
         UCX), where the transport chooses one, and the exports it holds."""
         transport = self.transport
+        staging = getattr(self, "staging", None)  # decode: parts of handoffs pulled while their prefill ran
         return {"pulls_by_path": dict(getattr(transport, "pulls_by_path", {})),
-                "num_exports": transport.num_exports if transport is not None else 0}
+                "num_exports": transport.num_exports if transport is not None else 0,
+                "num_parts_staged": staging.num_parts_staged if staging is not None else 0,
+                "num_staged_imports": len(staging) if staging is not None else 0}
 
     async def metrics_snapshot(self, target: dict[str, Any] | None = None) -> dict[str, Any]:
         """`target` ({"replica": id}) only steers the call to this replica; see PlacementRequestRouter."""

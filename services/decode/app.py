@@ -12,11 +12,12 @@ from opentelemetry import trace
 from ray import serve
 from ray.serve import Application
 
-from pdserve.api.contract import DecodeEvent, FallbackNotice, HandoffParams, TokenBatch, WorkerRequest, resumed
+from pdserve.api.contract import DecodeEvent, FallbackNotice, HandoffParams, KVPart, TokenBatch, WorkerRequest, resumed
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.outputs import GenerationRequest
 from pdserve.observability import trace_attributes as ta
 from pdserve.engine.handoff import KVImporter, engine_layout
+from pdserve.engine.kv_staging import StagedImports
 from pdserve.engine.prefix_pull import PrefixPuller
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
@@ -33,6 +34,7 @@ class DecodeDeployment(WorkerEndpoints):
         self.engine = engine or start_engine(self.config, "decode")
         self.transport = build_transport(self.config, self.engine)
         self.importer = KVImporter(self.engine, self.transport)
+        self.staging = StagedImports(self.engine, self.transport, max_age_s=2 * self.config.lease_ttl_s)
         self.prefix_puller = PrefixPuller.over(self.engine, self.transport)
         self.telemetry = Telemetry("decode", self.config.model, self.config.tracing_env)
         self.block_nbytes = engine_layout(self.engine).block_nbytes
@@ -56,6 +58,8 @@ class DecodeDeployment(WorkerEndpoints):
         num_tokens = 0
         spec_counts = (0, 0, 0)  # drafted, accepted, verification steps: cumulative on every delta
         pull = None  # the Redis tier's part of a local prefill's prefix
+        if request.request_id in self.staging.staged and (handoff is None or not handoff.first_block):
+            await self.staging.drop(request.request_id)  # its prefill failed: this call prefills locally
         try:
             if handoff is not None:
                 if first_token_id is None:
@@ -98,27 +102,45 @@ class DecodeDeployment(WorkerEndpoints):
         continues from the prompt plus prefill's first token, so the stream stays consistent (its events
         then count that token in num_prompt_tokens), with the notice for the router. A fallback is never
         silent: it is counted, traced, and announced. The local request keeps its placement fields."""
-        nbytes = len(params.block_ids) * self.block_nbytes
-        attributes = {ta.KV_TRANSPORT: params.transport, ta.KV_BLOCKS: len(params.block_ids), ta.KV_BYTES: nbytes}
+        num_blocks = params.first_block + len(params.block_ids)
+        nbytes = num_blocks * self.block_nbytes
+        attributes = {ta.KV_TRANSPORT: params.transport, ta.KV_BLOCKS: num_blocks, ta.KV_BYTES: nbytes}
         start = time.monotonic()
         with self.telemetry.tracing.span(ta.SPAN_KV_TRANSFER, context=trace.set_span_in_context(span),
                                          attributes=attributes) as kv_span:
-            result = await self.importer.import_kv(params)
+            if params.first_block:  # the leading blocks came as parts while prefill ran
+                result = await self.importer.import_tail(self.staging, gen.request_id, params,
+                                                         self.config.lease_ttl_s)
+            else:
+                result = await self.importer.import_kv(params)
+            exposed = time.monotonic() - start
             # labelled by the path the bytes took: a same-host pull through shared memory is "shm", not "ucx"
             transport = result.path or params.transport
-            kv_span.set_attribute(ta.KV_TRANSPORT, transport)
+            transfer = exposed if result.transfer_s is None else result.transfer_s
+            kv_span.set_attributes({ta.KV_TRANSPORT: transport, ta.KV_PARTS: result.num_parts,
+                                    ta.KV_EXPOSED_SECONDS: exposed, ta.KV_TRANSFER_SECONDS: transfer})
             if not result.ok:
                 kv_span.set_attribute(ta.FALLBACK_REASON, result.fallback_reason)
         if result.ok:
-            self.telemetry.metrics.observe_kv_transfer(time.monotonic() - start, nbytes, transport)
+            self.telemetry.metrics.observe_kv_transfer(transfer, nbytes, transport, exposed_s=exposed)
             return dataclasses.replace(gen, adopt_lease_id=result.lease_id, first_token_id=first_token_id), None
         self.telemetry.metrics.count_fallback(result.fallback_reason)
         span.set_attribute(ta.FALLBACK_REASON, result.fallback_reason)
         span.add_event(ta.EVENT_FALLBACK, {ta.FALLBACK_REASON: result.fallback_reason, "error": result.error or ""})
         return resumed(gen, (first_token_id,)), FallbackNotice(result.fallback_reason, result.error)
 
+    async def kv_part(self, request: WorkerRequest, part: KVPart) -> bool:
+        """Pulls a part of `request`'s KV, sent while its prefill still runs, into the reservation for its
+        prompt; False once that import failed (its tail then falls back)."""
+        return await self.staging.stage(request.request_id, part)
+
+    async def drop_staged(self, request: WorkerRequest | str) -> bool:
+        """Frees the parts staged for a request whose tail will never come (its prefill or client gone)."""
+        return await self.staging.drop(request if isinstance(request, str) else request.request_id)
+
     def link_server(self) -> LinkServer:
-        return LinkServer(self.link_token, generate=self.generate, stats=self.link_stats,
+        return LinkServer(self.link_token, generate=self.generate, kv_part=self.kv_part, abort=self.drop_staged,
+                          stats=self.link_stats,
                           max_ongoing=self.config.max_ongoing_requests, max_queued=self.config.max_queued_requests)
 
     async def fallbacks(self) -> dict[str, int]:

@@ -15,9 +15,10 @@ from opentelemetry import trace
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from pdserve.observability import trace_attributes as ta
-from pdserve.api.contract import FallbackNotice, PrefillResult, TokenBatch, WorkerRequest, resumed
+from pdserve.api.contract import FallbackNotice, KVPart, PrefillResult, TokenBatch, WorkerRequest, resumed
 from pdserve.services.router import openai_api as oa
 from pdserve.services.router.admission import Prepared
+from pdserve.services.router.kv_parts import PartSender
 from pdserve.placement.policy import Placement
 from pdserve.worklink import WorkerUnavailable
 
@@ -31,9 +32,50 @@ class DispatchMixin:
     """RouterDeployment's request execution; uses its `workers` (services.router.workers), telemetry,
     metrics, _enter/_exit and _background."""
 
-    def _abort_lease(self, replica: str | None, lease_id: str) -> None:
-        """Frees a prefill lease nobody will pull, on the replica that holds it."""
+    def _abort_lease(self, replica: str | None, lease_id: str, parts: PartSender | None = None) -> None:
+        """Frees a prefill lease nobody will pull, on the replica that holds it, and the leases of the parts
+        that went ahead of it (those decode pulled are gone already), and what decode staged of them."""
         self._spawn(self.workers.abort(replica, lease_id))
+        if parts is not None:
+            self._abort_parts(replica, parts)
+
+    def _abort_parts(self, replica: str | None, parts: PartSender) -> None:
+        parts.abandon()
+        for lease_id in parts.lease_ids:
+            self._spawn(self.workers.abort(replica, lease_id))
+
+    def _in_parts(self, request: WorkerRequest) -> bool:
+        """Whether the prompt's KV goes to decode in parts while it is prefilled (kv_part_tokens)."""
+        size = self.config.kv_part_tokens
+        return size is not None and len(request.prompt_token_ids) > size
+
+    async def _prefill_in_parts(self, request: WorkerRequest, parts: PartSender) -> PrefillResult | None:
+        """`_prefill`, streaming: each KVPart goes on to decode as it comes. Cancelled, the stream closes and
+        the prefill replica frees the leases it exported; None when the prefill replica is gone."""
+        request = dataclasses.replace(request, kv_part_tokens=self.config.kv_part_tokens)
+        stream = self.workers.prefill_stream(request)
+        result = None
+        try:
+            async for event in stream:
+                if isinstance(event, KVPart):
+                    parts.send(event)
+                else:
+                    result = event
+            if result is None:
+                raise RuntimeError("the prefill stream ended without its result")
+            return result
+        except WORKER_GONE as exc:
+            if result is not None:  # gone after it answered: its lease is lost with it, decode falls back
+                return result
+            logger.warning("prefill for %s failed, decode prefills locally: %s: %s", request.request_id,
+                           type(exc).__name__, exc)
+            if request.replica is not None:
+                self.workers.forget("prefill", request.replica)
+            self.metrics.count_fallback("prefill_unavailable")
+            return None
+        finally:
+            if result is None:
+                stream.cancel()
 
     async def _merged(
         self, request_id: str, p: Prepared, placements: list[Placement], span, meta: oa.ResponseMeta
@@ -124,15 +166,23 @@ class DispatchMixin:
         which PlacementRequestRouter honours. A decode replica lost mid-stream is replaced (`_migrate`)."""
         request = WorkerRequest(request_id, prompt_ids, params, placement.priority, placement.prefill_chunk_tokens,
                                 carrier, prefix_pull_blocks=placement.prefix_pull_blocks)
-        first = handoff = stream = None
+        first = handoff = stream = parts = None
         finished = imported = False
         sent: list[int] = []  # token ids the client has, in order; token j took the seeded stream's j-th draw
         try:
-            first = await self._prefill(request.to(placement.prefill_replica)) if placement.disaggregate else None
+            if placement.disaggregate and self._in_parts(request):
+                parts = PartSender(self.workers, request.to(placement.decode_replica), WORKER_GONE, self._spawn)
+                first = await self._prefill_in_parts(request.to(placement.prefill_replica), parts)
+                if first is None or first.handoff is None or first.handoff.first_block == 0:
+                    parts.abandon()  # nothing for decode to finish: its staged parts go
+            elif placement.disaggregate:
+                first = await self._prefill(request.to(placement.prefill_replica))
             if first is not None:
                 handoff = first.handoff
                 if first.first.finished or handoff is None:
                     finished = handoff is None
+                    if parts is not None:
+                        self._abort_parts(first.replica, parts)
                     yield dataclasses.replace(first.first, finished=True)
                     return
                 # prefill delivered the prompt logprobs: decode (a fallback included) must not compute them again
@@ -149,7 +199,7 @@ class DispatchMixin:
                     async for event in stream:
                         if isinstance(event, FallbackNotice):  # counted and traced by decode (its series say why)
                             if handoff is not None:  # decode prefills locally: nobody will pull the lease now
-                                self._abort_lease(first.replica, handoff.lease_id)
+                                self._abort_lease(first.replica, handoff.lease_id, parts)
                                 handoff = None
                             continue
                         imported = True
@@ -161,7 +211,7 @@ class DispatchMixin:
                     if num_migrations >= self.config.max_migrations:
                         raise
                     if handoff is not None and not imported:
-                        self._abort_lease(first.replica, handoff.lease_id)
+                        self._abort_lease(first.replica, handoff.lease_id, parts)
                     handoff, num_migrations = None, num_migrations + 1
                     replica, stream = await self._migrate(request, replica, sent, num_migrations, exc, span)
         finally:
@@ -170,7 +220,9 @@ class DispatchMixin:
                     stream.cancel()
                 if handoff is not None and not imported:
                     # decode never confirmed the pull: the prefill lease would otherwise wait for its TTL
-                    self._abort_lease(first.replica, handoff.lease_id)
+                    self._abort_lease(first.replica, handoff.lease_id, parts)
+                if parts is not None and first is None:  # gone during the prefill: its stream freed its leases
+                    parts.abandon()
 
     async def _migrate(
         self, request: WorkerRequest, dead: str | None, sent: list[int], attempt: int, exc: BaseException, span,

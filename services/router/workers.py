@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.api.contract import HandoffParams, PrefillResult, WorkerRequest
+from pdserve.api.contract import HandoffParams, KVPart, PrefillResult, WorkerRequest
 from pdserve.services.router.replica_stats import ReplicaStats, ReplicaStatsPoller
 from pdserve.worklink import Link, LinkClient
 
@@ -54,6 +54,28 @@ class Workers:
         if address:
             return self.links.generate(address, request, *handoff_args)
         return self.decode_handle.options(stream=True).generate.remote(request, *handoff_args)
+
+    def prefill_stream(self, request: WorkerRequest) -> Any:
+        """The prefill call that streams the KV's parts, then the result (async iterable, `.cancel()`-able)."""
+        address = self.link("prefill", request.replica)
+        self.count_call("prefill", "link" if address else "serve")
+        if address:
+            return self.links.prefill_stream(address, request)
+        return self.prefill_handle.options(stream=True).prefill_stream.remote(request)
+
+    def kv_part(self, request: WorkerRequest, part: KVPart) -> Any:
+        """Has the decode replica `request.replica` pull a part of the request's KV (awaitable: staged or not)."""
+        address = self.link("decode", request.replica)
+        if address:
+            return self.links.kv_part(address, request, part)
+        return self.decode_handle.kv_part.remote(request, part)
+
+    def drop_staged(self, request: WorkerRequest) -> Any:
+        """Frees the parts the decode replica staged for `request` (awaitable)."""
+        address = self.link("decode", request.replica)
+        if address:
+            return self.links.abort(address, request.request_id)
+        return self.decode_handle.drop_staged.remote(request)
 
     def abort(self, replica: str | None, lease_id: str) -> Any:
         """Frees a prefill lease on the replica that holds it (awaitable)."""

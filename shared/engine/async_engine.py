@@ -110,6 +110,10 @@ class AsyncLLMEngine:
             self._stats = self.engine.stats()
         return released
 
+    async def renew_lease(self, lease_id: str) -> bool:
+        async with self._lock:
+            return self.engine.leases.renew(lease_id)
+
     async def cache_lease(self, lease_id: str, block_hashes: list[int]) -> int:
         async with self._lock:
             num_cached = self.engine.cache_lease(lease_id, block_hashes)

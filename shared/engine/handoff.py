@@ -6,10 +6,13 @@ A fallback is never silent: every one is counted by reason, and the caller prefi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from collections import Counter
 from dataclasses import dataclass
 
 from pdserve.engine.async_engine import AsyncLLMEngine
+from pdserve.engine.kv_staging import StagedImports, pull_failure
 from pdserve.engine.outputs import KVHandoff
 from pdserve.kvcache.layout import KVLayout, LayoutMismatch, layout_of
 from pdserve.kvcache.params import HandoffParams
@@ -34,6 +37,8 @@ class ImportResult:
     fallback_reason: str | None = None
     error: str | None = None
     path: str | None = None  # the transport path the bytes took, where the transport has several
+    num_parts: int = 0  # parts pulled while prefill ran, before the tail
+    transfer_s: float | None = None  # time spent pulling, parts and tail (None: not measured here)
 
     @property
     def ok(self) -> bool:
@@ -52,12 +57,26 @@ class KVExporter:
         self._sweeper: asyncio.Task | None = None
 
     async def export(self, handoff: KVHandoff) -> HandoffParams:
+        return await self._export(handoff.lease_id, list(handoff.block_ids), list(handoff.block_hashes),
+                                  handoff.num_tokens)
+
+    async def export_tail(self, handoff: KVHandoff) -> HandoffParams:
+        """A final handoff whose leading `num_parted_blocks` went ahead as parts: only the blocks after them
+        are exported (under the lease on all of them, which ends when they are pulled)."""
+        k = handoff.num_parted_blocks
+        if not k:
+            return await self.export(handoff)
+        block_size = self.engine.engine.block_manager.block_size
+        params = await self._export(handoff.lease_id, list(handoff.block_ids[k:]), list(handoff.block_hashes[k:]),
+                                    handoff.num_tokens - k * block_size)
+        return dataclasses.replace(params, first_block=k)
+
+    async def _export(self, lease_id: str, block_ids: list[int], block_hashes: list[int],
+                      num_tokens: int) -> HandoffParams:
         try:
-            params = await self.transport.export(
-                handoff.lease_id, list(handoff.block_ids), list(handoff.block_hashes), handoff.num_tokens
-            )
+            params = await self.transport.export(lease_id, block_ids, block_hashes, num_tokens)
         except Exception:
-            await self.engine.release_lease(handoff.lease_id)
+            await self.engine.release_lease(lease_id)
             raise
         if self.transport.num_exports and (self._sweeper is None or self._sweeper.done()):
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
@@ -110,6 +129,33 @@ class KVImporter:
             await asyncio.shield(self.engine.release_lease(lease.lease_id))
             raise
         return ImportResult(lease.lease_id, path=path)
+
+    async def import_tail(self, staging: StagedImports, request_id: str, params: HandoffParams,
+                          timeout_s: float) -> ImportResult:
+        """The tail of a handoff whose leading blocks came as parts (`params.first_block` > 0): waits for
+        the parts still in flight, pulls the tail into the rest of their reservation; or falls back."""
+        st = await staging.take(request_id, params, timeout_s)
+        if st.failure is not None:
+            return self._fallback(*st.failure)
+        dest = list(st.lease.block_ids[params.first_block:])
+        if params.layout_hash != self.transport.layout.layout_hash or len(dest) != len(params.block_ids):
+            await staging.release(st)
+            return self._fallback("layout_mismatch", f"tail of {len(params.block_ids)} blocks does not fit "
+                                                     f"{len(dest)} reserved after block {params.first_block}")
+        start = time.monotonic()
+        try:
+            path = await self.transport.pull(params, dest)
+        except Exception as exc:
+            failure = pull_failure(exc)
+            await staging.release(st)
+            if failure is None:
+                raise
+            return self._fallback(*failure)
+        except BaseException:
+            await asyncio.shield(staging.release(st))
+            raise
+        return ImportResult(st.lease.lease_id, path=path or st.path, num_parts=st.num_parts,
+                            transfer_s=st.pull_s + time.monotonic() - start)
 
     def _fallback(self, reason: str, error: str) -> ImportResult:
         self.fallbacks[reason] += 1

@@ -33,6 +33,15 @@ class LeaseTable:
         self.leases[lease.lease_id] = lease
         return lease
 
+    def renew(self, lease_id: str, now: float | None = None) -> bool:
+        """Push a held lease's expiry a whole TTL past `now`; False if it is gone."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return False
+        now = time.monotonic() if now is None else now
+        self.leases[lease_id] = Lease(lease.lease_id, lease.block_ids, lease.num_tokens, now + self.ttl_s)
+        return True
+
     def take(self, lease_id: str) -> Lease:
         """Remove and return a lease; the caller now owns its block references."""
         try:

@@ -156,6 +156,13 @@ class ServingMetrics:
             buckets=KV_SECONDS_BUCKETS,
             registry=r,
         )
+        self._kv_exposed = Histogram(
+            "pdserve_kv_transfer_exposed_seconds",
+            "KV transfer time the stream waited for after prefill ended (the rest overlapped prefill)",
+            [*LABELS, "transport"],
+            buckets=KV_SECONDS_BUCKETS,
+            registry=r,
+        )
         self._kv_bytes = Histogram(
             "pdserve_kv_transfer_bytes",
             "KV cache bytes per transfer",
@@ -222,8 +229,11 @@ class ServingMetrics:
     def observe_decode(self, seconds: float) -> None:
         self._decode.observe(seconds)
 
-    def observe_kv_transfer(self, seconds: float, nbytes: int, transport: str) -> None:
+    def observe_kv_transfer(self, seconds: float, nbytes: int, transport: str, exposed_s: float | None = None) -> None:
+        """`seconds`: the whole transfer; `exposed_s`: the part of it after prefill ended (all of it when the
+        KV moved in one piece)."""
         self._kv_seconds.labels(*self.labels, transport).observe(seconds)
+        self._kv_exposed.labels(*self.labels, transport).observe(seconds if exposed_s is None else exposed_s)
         self._kv_bytes.labels(*self.labels, transport).observe(nbytes)
 
     def record_request(

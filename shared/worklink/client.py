@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pdserve.api.contract import DecodeEvent, HandoffParams, PrefillResult, WorkerRequest
+from pdserve.api.contract import DecodeEvent, HandoffParams, KVPart, PrefillResult, WorkerRequest
 from pdserve.worklink import codec
 from pdserve.worklink.errors import WorkerLinkError, WorkerOverloaded, WorkerUnavailable
 from pdserve.worklink.frames import FrameError, FrameReader, Kind, Status, frame, parse_error, tune
@@ -92,11 +92,12 @@ class _Connection(asyncio.Protocol):
 
 
 class LinkStream:
-    """A decode call's events; `cancel()` ends the call (the worker aborts the request). The call
-    starts when the stream is first iterated."""
+    """A streaming call's events (a decode's, or a prefill's parts and result); `cancel()` ends the call
+    (the worker aborts the request). The call starts when the stream is first iterated."""
 
-    def __init__(self, client: LinkClient, link: Link, payload: bytes) -> None:
-        self._client, self._link, self._payload = client, link, payload
+    def __init__(self, client: LinkClient, link: Link, payload: bytes, kind: Kind = Kind.GENERATE) -> None:
+        self._client, self._link, self._payload, self._kind = client, link, payload, kind
+        self._unpack = codec.unpack_prefill_event if kind == Kind.PREFILL_STREAM else codec.unpack_event
         self._connection: _Connection | None = None
         self._cancelled = False
 
@@ -108,13 +109,13 @@ class LinkStream:
     async def __aiter__(self) -> AsyncIterator[DecodeEvent]:
         if self._cancelled:
             return
-        connection = self._connection = await self._client.send(self._link, Kind.GENERATE, self._payload)
+        connection = self._connection = await self._client.send(self._link, self._kind, self._payload)
         ended = False
         try:
             while True:
                 kind, payload = await connection.next_frame()
                 if kind == Kind.DATA:
-                    yield codec.unpack_event(payload)
+                    yield self._unpack(payload)
                 elif kind == Kind.END:
                     ended = True
                     return
@@ -184,6 +185,13 @@ class LinkClient:
     def generate(self, link: Link, request: WorkerRequest, handoff: HandoffParams | None = None,
                  first_token_id: int | None = None) -> LinkStream:
         return LinkStream(self, link, codec.pack_call(request, handoff, first_token_id))
+
+    def prefill_stream(self, link: Link, request: WorkerRequest) -> LinkStream:
+        return LinkStream(self, link, codec.pack_call(request), Kind.PREFILL_STREAM)
+
+    async def kv_part(self, link: Link, request: WorkerRequest, part: KVPart) -> bool:
+        payload = codec.pack_call(request, part.params, part.num_prompt_tokens)
+        return await self.unary(link, Kind.KV_PART, payload) == b"\x01"
 
     async def stats(self, link: Link, want_events: bool = False, cursor: tuple | None = None) -> dict:
         """The replica's routing stats; with `want_events`, under "kv_events" its pool's KV events after

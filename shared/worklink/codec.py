@@ -11,12 +11,13 @@ from typing import Any
 
 import msgpack
 
-from pdserve.api.contract import DecodeEvent, FallbackNotice, HandoffParams, PrefillResult, Priority, TokenBatch, \
-    WorkerRequest
+from pdserve.api.contract import DecodeEvent, FallbackNotice, HandoffParams, KVPart, PrefillEvent, PrefillResult, \
+    Priority, TokenBatch, WorkerRequest
 from pdserve.sampling_params import params_from_dict, params_to_dict
 
 BATCH_FIELDS = tuple(f.name for f in fields(TokenBatch))
 _BATCH, _FALLBACK = 0, 1
+_PART, _RESULT = 0, 1
 
 
 class CodecError(ValueError):
@@ -106,6 +107,25 @@ def unpack_event(data: bytes) -> DecodeEvent:
     if item[0] == _BATCH:
         return _batch_of(item[1:])
     raise CodecError("malformed decode event")
+
+
+def pack_prefill_event(event: PrefillEvent) -> bytes:
+    """A prefill stream's event: a KVPart (its params and the prompt's tokens) or the PrefillResult."""
+    if isinstance(event, KVPart):
+        return _pack((_PART, event.params.to_dict(), event.num_prompt_tokens))
+    return _pack((_RESULT, pack_result(event)))
+
+
+def unpack_prefill_event(data: bytes) -> PrefillEvent:
+    item = _unpack(data)
+    if isinstance(item, tuple) and len(item) == 2 and item[0] == _RESULT and isinstance(item[1], bytes):
+        return unpack_result(item[1])
+    if not (isinstance(item, tuple) and len(item) == 3 and item[0] == _PART and isinstance(item[2], int)):
+        raise CodecError("malformed prefill event")
+    try:
+        return KVPart(_handoff_of(item[1]), item[2])
+    except (TypeError, ValueError) as exc:
+        raise CodecError(f"invalid KV part: {exc}") from None
 
 
 def pack_stats_query(want_events: bool, cursor: tuple | None) -> bytes:

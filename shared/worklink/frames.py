@@ -25,12 +25,14 @@ class Kind(enum.IntEnum):
     GENERATE = 3
     ABORT = 4
     STATS = 5
+    PREFILL_STREAM = 6
+    KV_PART = 7
     DATA = 16
     END = 17
     ERROR = 18
 
 
-CALLS = (Kind.PREFILL, Kind.GENERATE, Kind.ABORT, Kind.STATS)
+CALLS = (Kind.PREFILL, Kind.GENERATE, Kind.ABORT, Kind.STATS, Kind.PREFILL_STREAM, Kind.KV_PART)
 
 
 class Status(enum.IntEnum):

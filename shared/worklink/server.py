@@ -1,7 +1,9 @@
 """A replica's end of the worker link: a TCP server on the replica's own event loop.
 
-Four calls, bytes in and out (pdserve.worklink.codec, framed by pdserve.worklink.frames): prefill
-(one reply), generate (a stream of events), abort (a lease id) and stats (the router's routing-stats
+Calls, bytes in and out (pdserve.worklink.codec, framed by pdserve.worklink.frames): prefill
+(one reply), prefill_stream (the KV's parts, then the result), generate (a stream of events), kv_part (a
+part of a decode's KV to pull while its prefill runs), abort (a lease id; on decode, a request's staged
+parts) and stats (the router's routing-stats
 poll, with the pool's KV events after a cursor; never queued behind the call limit). A client that closes its connection
 cancels the call in flight, which closes the decode stream (the engine aborts the request) or lets
 prefill free its lease. Worker failures reach the client as a status and a fixed message; the details
@@ -25,7 +27,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
-from pdserve.api.contract import DecodeEvent, HandoffParams, PrefillResult, WorkerRequest
+from pdserve.api.contract import DecodeEvent, HandoffParams, KVPart, PrefillEvent, PrefillResult, WorkerRequest
 from pdserve.worklink import codec
 from pdserve.worklink.frames import (CALLS, MAX_FRAME_BYTES, MAX_HELLO_BYTES, FrameError, FrameReader, Kind, Status,
                                      error_frame, frame, tune)
@@ -35,6 +37,8 @@ logger = logging.getLogger(__name__)
 Prefill = Callable[[WorkerRequest], Awaitable[PrefillResult]]
 Generate = Callable[[WorkerRequest, HandoffParams | None, int | None], AsyncIterator[DecodeEvent]]
 Abort = Callable[[str], Awaitable[bool]]
+PrefillStream = Callable[[WorkerRequest], AsyncIterator[PrefillEvent]]
+StageKVPart = Callable[[WorkerRequest, KVPart], Awaitable[bool]]
 Stats = Callable[[bool, tuple | None], Awaitable[dict]]
 
 
@@ -50,12 +54,13 @@ class LinkServer:
     RESOURCE_EXHAUSTED, which the router answers 503 with Retry-After."""
 
     def __init__(self, token: str, *, prefill: Prefill | None = None, generate: Generate | None = None,
-                 abort: Abort | None = None, stats: Stats | None = None, max_ongoing: int = 1024,
-                 max_queued: int = 1024) -> None:
+                 abort: Abort | None = None, stats: Stats | None = None, prefill_stream: PrefillStream | None = None,
+                 kv_part: StageKVPart | None = None, max_ongoing: int = 1024, max_queued: int = 1024) -> None:
         if not token:
             raise ValueError("a link server needs a token")
         self.token = token.encode()
         self.prefill, self.generate, self.abort, self.stats = prefill, generate, abort, stats
+        self.prefill_stream, self.kv_part = prefill_stream, kv_part
         self.max_ongoing, self.max_queued = max_ongoing, max_queued
         self.num_in_flight = self.num_queued = 0
         self._slots: asyncio.Semaphore | None = None
@@ -172,7 +177,17 @@ class _Connection(asyncio.Protocol):
                 reply = await server.stats(*codec.unpack_stats_query(payload))
                 self._finish(frame(Kind.DATA, codec.pack_stats(reply)))
                 return
-            handler = server.prefill if kind == Kind.PREFILL else server.generate
+            if kind == Kind.KV_PART:  # part of a call already admitted (its decode stream's): not queued
+                if server.kv_part is None:
+                    raise CallFailed(Status.INVALID_ARGUMENT, "this replica takes no kv_part calls")
+                request, params, num_prompt_tokens = codec.unpack_call(payload)
+                if params is None or not isinstance(num_prompt_tokens, int):
+                    raise CallFailed(Status.INVALID_ARGUMENT, "a KV part needs its params and prompt tokens")
+                staged = await server.kv_part(request, KVPart(params, num_prompt_tokens))
+                self._finish(frame(Kind.DATA, b"\x01" if staged else b"\x00"))
+                return
+            handler = {Kind.PREFILL: server.prefill, Kind.GENERATE: server.generate,
+                       Kind.PREFILL_STREAM: server.prefill_stream}[kind]
             if handler is None:
                 raise CallFailed(Status.INVALID_ARGUMENT, f"this replica takes no {kind.name.lower()} calls")
             await server.admit()
@@ -181,13 +196,17 @@ class _Connection(asyncio.Protocol):
             if kind == Kind.PREFILL:
                 self._finish(frame(Kind.DATA, codec.pack_result(await handler(request))))
                 return
-            async with aclosing(handler(request, handoff, first)) as events:
+            if kind == Kind.PREFILL_STREAM:
+                events, pack = handler(request), codec.pack_prefill_event
+            else:
+                events, pack = handler(request, handoff, first), codec.pack_event
+            async with aclosing(events):
                 async for event in events:
                     if not self.writable.is_set():
                         await self.writable.wait()
                     if self.transport.is_closing():
                         raise asyncio.CancelledError
-                    self.transport.write(frame(Kind.DATA, codec.pack_event(event)))
+                    self.transport.write(frame(Kind.DATA, pack(event)))
             self._finish(frame(Kind.END))
         except asyncio.CancelledError:
             raise

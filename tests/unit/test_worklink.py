@@ -5,12 +5,13 @@ the framing refuses what breaks it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from contextlib import asynccontextmanager
 
 import msgpack
 import pytest
 
-from pdserve.api.contract import FallbackNotice, HandoffParams, PrefillResult, Priority, TokenBatch, WorkerRequest
+from pdserve.api.contract import FallbackNotice, HandoffParams, KVPart, PrefillResult, Priority, TokenBatch, WorkerRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.worklink import (CodecError, Link, LinkClient, LinkServer, WorkerLinkError, WorkerOverloaded,
                               WorkerUnavailable, codec)
@@ -20,7 +21,7 @@ REQUEST = WorkerRequest("r-1", (5, 6, 7), SamplingParams(max_tokens=9, temperatu
                                                           stop_token_ids=(3,), logprobs=2,
                                                           logit_bias=((4, -1.5),)),
                         Priority.BATCH, 32, {"traceparent": "00-ab-cd-01"}, "replica-a", prefix_pull_blocks=2,
-                        rng_offset=3, num_resumed_tokens=1)
+                        rng_offset=3, num_resumed_tokens=1, kv_part_tokens=64)
 HANDOFF = HandoffParams("ucx", 1234567, "lease-1", 20, (4, 9), (1 << 60,), "127.0.0.1", 40000)
 BATCH = TokenBatch((8, 9), "ab", True, "stop", "yz", (-0.25, -1.0), (((8, -0.25), (1, -2.0)), ((9, -1.0),)),
                    3, 2, 1, (None, -0.5, -3.0), (None, ((6, -0.5),), ((7, -3.0),)))
@@ -39,6 +40,9 @@ def test_codec_round_trips_every_message():
     assert codec.unpack_event(codec.pack_event(TokenBatch((1,), "a"))) == TokenBatch((1,), "a")
     notice = FallbackNotice("import_failed", "peer gone")
     assert codec.unpack_event(codec.pack_event(notice)) == notice
+    part = KVPart(dataclasses.replace(HANDOFF, first_block=4), 100)
+    assert codec.unpack_prefill_event(codec.pack_prefill_event(part)) == part
+    assert codec.unpack_prefill_event(codec.pack_prefill_event(result)) == result
 
 
 @pytest.mark.parametrize("data", [
@@ -46,7 +50,7 @@ def test_codec_round_trips_every_message():
     codec.pack_call(REQUEST)[:-3],
 ])
 def test_codec_refuses_malformed_bytes(data):
-    for unpack in (codec.unpack_call, codec.unpack_result, codec.unpack_event):
+    for unpack in (codec.unpack_call, codec.unpack_result, codec.unpack_event, codec.unpack_prefill_event):
         with pytest.raises(CodecError):
             unpack(data)
 
@@ -91,6 +95,15 @@ class Worker:
     async def abort(self, lease_id: str) -> bool:
         return lease_id == "lease-1"
 
+    async def prefill_stream(self, request: WorkerRequest):
+        for k in range(2):
+            yield KVPart(dataclasses.replace(HANDOFF, first_block=2 * k), 50)
+        yield PrefillResult(BATCH, dataclasses.replace(HANDOFF, first_block=4), "replica-p")
+
+    async def kv_part(self, request: WorkerRequest, part: KVPart) -> bool:
+        self.seen.append((request, part))
+        return part.params.first_block == 0
+
     async def stats(self, want_events: bool, cursor):
         self.seen.append(("stats", want_events, cursor))
         reply = {"num_running": 2, "recent_step_times_s": (0.004, 0.005), "replica": "replica-p"}
@@ -105,7 +118,8 @@ async def _linked(ongoing: int = 8, queued: int = 8):
     """(worker, server, link, client) on loopback; the client closed and the server stopped after."""
     worker = Worker()
     server = LinkServer("the-token", prefill=worker.prefill, generate=worker.generate, abort=worker.abort,
-                        stats=worker.stats, max_ongoing=ongoing, max_queued=queued)
+                        stats=worker.stats, prefill_stream=worker.prefill_stream, kv_part=worker.kv_part,
+                        max_ongoing=ongoing, max_queued=queued)
     address = await server.start("127.0.0.1")
     client = LinkClient()
     try:
@@ -124,6 +138,19 @@ def test_link_carries_prefill_decode_and_abort():
             assert [e.token_ids for e in events[1:]] == [(i,) for i in range(9)] and events[-1].finished
             assert worker.seen[-1] == (REQUEST, HANDOFF, 42)
             assert await client.abort(link, "lease-1") and not await client.abort(link, "other")
+    asyncio.run(main())
+
+
+def test_link_carries_a_prefill_in_parts_and_the_parts_to_decode():
+    async def main():
+        async with _linked() as (worker, server, link, client):
+            events = [e async for e in client.prefill_stream(link, REQUEST)]
+            assert [e.params.first_block for e in events[:2]] == [0, 2] and all(e.num_prompt_tokens == 50
+                                                                                for e in events[:2])
+            assert events[2] == PrefillResult(BATCH, dataclasses.replace(HANDOFF, first_block=4), "replica-p")
+            assert await client.kv_part(link, REQUEST, events[0]) and not await client.kv_part(link, REQUEST, events[1])
+            assert worker.seen[-1] == (REQUEST, events[1])
+            assert await client.prefill(link, REQUEST) == PrefillResult(BATCH, HANDOFF, "replica-p")  # connection reused
     asyncio.run(main())
 
 
