@@ -1,0 +1,99 @@
+"""A handoff in parts over the local transport between two engines: parts staged while the prefill runs,
+the tail imported after, and every way it can end without its tail (a lost part, a drop, a timeout, a late
+part) leaving both pools whole."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from pdserve.api.contract import KVPart
+from pdserve.engine import GenerationRequest
+from pdserve.engine.kv_staging import StagedImports
+from tests.unit.kvcache.test_local_handoff import GREEDY, NUM_BLOCKS, _collect, _engine, _free, _pair, tiny_dir  # noqa: F401
+
+PROMPT = tuple(range(40, 140))  # 100 tokens: 6 full blocks of 16 and a partial one
+PART_TOKENS = 32
+
+
+async def _prefill_in_parts(engine, exporter, request_id: str, prompt=PROMPT):
+    """(parts exported as they came, first token, the final handoff), as the prefill deployment makes them."""
+    request = GenerationRequest(request_id, prompt, GREEDY, prefill_only=True, kv_part_tokens=PART_TOKENS)
+    parts = []
+    async for delta in engine.generate(request):
+        if delta.kv_part is not None:
+            params = await exporter.export(delta.kv_part)
+            parts.append(KVPart(dataclasses.replace(params, first_block=delta.kv_part.first_block), len(prompt)))
+        else:
+            return parts, delta.token_ids[0], delta.kv_handoff
+    raise AssertionError("no final delta")
+
+
+def _whole(*engines) -> bool:
+    return all(_free(e) == NUM_BLOCKS and not e.engine.leases.leases for e in engines)
+
+
+@pytest.fixture
+def engines(tiny_dir):
+    return _engine(tiny_dir), _engine(tiny_dir), _engine(tiny_dir)
+
+
+def test_parts_then_tail_decode_like_plain_generation(engines):
+    async def main():
+        a, b, ref = engines
+        exporter, importer = _pair(a, b)
+        staging = StagedImports(b, importer.transport)
+        expected = await _collect(ref, GenerationRequest("ref", PROMPT, GREEDY))
+        parts, first, handoff = await _prefill_in_parts(a, exporter, "p")
+        assert [p.params.first_block for p in parts] == [0, 2, 4] and handoff.num_parted_blocks == 6
+        tail = await exporter.export_tail(handoff)
+        assert tail.first_block == 6 and len(tail.block_ids) == 1
+        # the tail's call may come first: it waits for the parts
+        waiting = asyncio.create_task(importer.import_tail(staging, "p", tail, timeout_s=10))
+        for part in parts:
+            assert await staging.stage("p", part)
+        result = await waiting
+        assert result.ok and result.num_parts == 3 and result.transfer_s > 0
+        rest = await _collect(b, GenerationRequest("d", PROMPT, GREEDY, adopt_lease_id=result.lease_id,
+                                                   first_token_id=first))
+        assert [first, *rest] == expected
+        assert _whole(a, b) and len(staging) == 0 and staging.num_parts_staged == 3
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("end", ["lost_part", "drop", "timeout", "late_part"])
+def test_an_import_that_ends_without_its_tail_frees_both_pools(engines, end):
+    async def main():
+        a, b, _ = engines
+        exporter, importer = _pair(a, b)
+        staging = StagedImports(b, importer.transport)
+        prompt = tuple((t * 7 + len(end)) % 250 for t in PROMPT)  # no prefix hit from another case
+        parts, first, handoff = await _prefill_in_parts(a, exporter, f"p-{end}", prompt)
+        assert len(parts) == 3
+        tail = await exporter.export_tail(handoff)
+        assert await staging.stage("r", parts[0])
+        if end == "lost_part":  # its export is gone (prefill aborted it): the pull fails, the tail falls back
+            exporter.transport.forget(parts[1].params.lease_id)
+            await a.release_lease(parts[1].params.lease_id)
+            assert not await staging.stage("r", parts[1])
+            result = await importer.import_tail(staging, "r", tail, timeout_s=10)
+            assert not result.ok and result.fallback_reason == "transfer_failed"
+        elif end == "drop":  # its prefill or client went: the router drops what decode staged
+            assert await staging.drop("r") and not await staging.drop("r")
+            assert not await staging.stage("r", parts[1])  # a late part is refused
+        elif end == "timeout":  # the parts never all come
+            result = await importer.import_tail(staging, "r", tail, timeout_s=0.2)
+            assert not result.ok and "missing" in result.error
+        else:  # the tail ended it; a part arriving after is refused, not staged anew
+            result = await importer.import_tail(staging, "r", dataclasses.replace(tail, first_block=2), timeout_s=1)
+            assert not result.ok  # the tail does not fit the reservation from block 2: refused, released
+            assert not await staging.stage("r", parts[1])
+        for part in parts:  # what nobody pulled, prefill frees (the router aborts those leases)
+            exporter.transport.forget(part.params.lease_id)
+            await a.release_lease(part.params.lease_id)
+        exporter.transport.forget(tail.lease_id)
+        await a.release_lease(tail.lease_id)
+        assert _whole(a, b) and len(staging) == 0
+    asyncio.run(main())
