@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import secrets
 import time
 from typing import Any
@@ -85,7 +86,9 @@ class WorkerEndpoints:
         UCX), where the transport chooses one, and the exports it holds."""
         transport = self.transport
         staging = getattr(self, "staging", None)  # decode: parts of handoffs pulled while their prefill ran
-        return {"pulls_by_path": dict(getattr(transport, "pulls_by_path", {})),
+        engine = self.engine.stats()
+        return {"pid": os.getpid(), "num_leased_blocks": engine.num_leased_blocks,
+                "num_free_blocks": engine.num_free_blocks, "num_total_blocks": engine.num_total_blocks, "pulls_by_path": dict(getattr(transport, "pulls_by_path", {})),
                 "num_exports": transport.num_exports if transport is not None else 0,
                 "num_parts_staged": staging.num_parts_staged if staging is not None else 0,
                 "num_staged_imports": len(staging) if staging is not None else 0}

@@ -64,7 +64,7 @@ class DecodeDeployment(WorkerEndpoints):
             if handoff is not None:
                 if first_token_id is None:
                     raise ValueError("a handoff needs the first token prefill produced")
-                gen, fallback = await self._import(gen, handoff, first_token_id, span)
+                gen, fallback = await self._import(gen, handoff, first_token_id, span, self._misrouted(request))
                 if fallback is not None:
                     yield fallback
                     pull = await self.pull_prefix(request, span)
@@ -95,8 +95,12 @@ class DecodeDeployment(WorkerEndpoints):
             span.set_attribute("pdserve.decode.tokens", num_tokens)
             span.end()
 
+    def _misrouted(self, request: WorkerRequest) -> bool:
+        """Serve sent a call named for another replica here (that one is gone): none of its parts are here."""
+        return request.replica is not None and request.replica != self.telemetry.replica
+
     async def _import(
-        self, gen: GenerationRequest, params: HandoffParams, first_token_id: int, span
+        self, gen: GenerationRequest, params: HandoffParams, first_token_id: int, span, misrouted: bool = False
     ) -> tuple[GenerationRequest, FallbackNotice | None]:
         """The request adopting the pulled KV, or, on a failed import, one that prefills locally and
         continues from the prompt plus prefill's first token, so the stream stays consistent (its events
@@ -108,7 +112,9 @@ class DecodeDeployment(WorkerEndpoints):
         start = time.monotonic()
         with self.telemetry.tracing.span(ta.SPAN_KV_TRANSFER, context=trace.set_span_in_context(span),
                                          attributes=attributes) as kv_span:
-            if params.first_block:  # the leading blocks came as parts while prefill ran
+            if params.first_block and misrouted:
+                result = self.importer.fallback("transfer_failed", "the parts went to the replica this call was for")
+            elif params.first_block:  # the leading blocks came as parts while prefill ran
                 result = await self.importer.import_tail(self.staging, gen.request_id, params,
                                                          self.config.lease_ttl_s)
             else:
@@ -132,6 +138,8 @@ class DecodeDeployment(WorkerEndpoints):
     async def kv_part(self, request: WorkerRequest, part: KVPart) -> bool:
         """Pulls a part of `request`'s KV, sent while its prefill still runs, into the reservation for its
         prompt; False once that import failed (its tail then falls back)."""
+        if self._misrouted(request):
+            return False  # the earlier parts are on the replica it was for: the router drops them there
         return await self.staging.stage(request.request_id, part)
 
     async def drop_staged(self, request: WorkerRequest | str) -> bool:

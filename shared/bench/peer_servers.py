@@ -109,16 +109,18 @@ class PdserveServer(Server):
     """`pdserve serve` with its default flags (the port aside, when another is asked, and a quantization,
     when one is asked: then the figures are not those of the defaults, and the settings say so)."""
 
-    def __init__(self, port: int, model: str, quantization: str | None = None) -> None:
+    def __init__(self, port: int, model: str, quantization: str | None = None, config: Path | None = None) -> None:
         super().__init__(port)
         self.model = model
         self.port = port
         self.quantization = quantization
+        self.config = config
         self.settings = {"command": " ".join(["pdserve", "serve", *self._flags()])}
 
     def _flags(self) -> list[str]:
         port = [] if self.port == 8000 else ["--port", str(self.port)]
-        return port + (["--quantization", self.quantization] if self.quantization else [])
+        config = ["--config", str(self.config)] if self.config else []
+        return config + port + (["--quantization", self.quantization] if self.quantization else [])
 
     def command(self) -> list[str]:
         return [str(Path(sys.executable).with_name("pdserve")), "serve", *self._flags()]

@@ -109,22 +109,22 @@ class KVImporter:
 
     async def import_kv(self, params: HandoffParams) -> ImportResult:
         if params.layout_hash != self.transport.layout.layout_hash:
-            return self._fallback("layout_mismatch", f"peer layout {params.layout_hash:#018x} != ours")
+            return self.fallback("layout_mismatch", f"peer layout {params.layout_hash:#018x} != ours")
         try:
             lease = await self.engine.reserve_kv(params.num_tokens)
         except MemoryError as exc:
-            return self._fallback("no_kv_capacity", str(exc))
+            return self.fallback("no_kv_capacity", str(exc))
         try:
             path = await self.transport.pull(params, list(lease.block_ids))
         except LayoutMismatch as exc:
             await self.engine.release_lease(lease.lease_id)
-            return self._fallback("layout_mismatch", str(exc))
+            return self.fallback("layout_mismatch", str(exc))
         except WireError as exc:
             await self.engine.release_lease(lease.lease_id)
-            return self._fallback("corrupt_payload", str(exc))
+            return self.fallback("corrupt_payload", str(exc))
         except (KVTransferError, TimeoutError, OSError) as exc:
             await self.engine.release_lease(lease.lease_id)
-            return self._fallback("transfer_failed", str(exc))
+            return self.fallback("transfer_failed", str(exc))
         except BaseException:  # cancelled: shielded, as a second cancel must not skip the release
             await asyncio.shield(self.engine.release_lease(lease.lease_id))
             raise
@@ -136,11 +136,11 @@ class KVImporter:
         the parts still in flight, pulls the tail into the rest of their reservation; or falls back."""
         st = await staging.take(request_id, params, timeout_s)
         if st.failure is not None:
-            return self._fallback(*st.failure)
+            return self.fallback(*st.failure)
         dest = list(st.lease.block_ids[params.first_block:])
         if params.layout_hash != self.transport.layout.layout_hash or len(dest) != len(params.block_ids):
             await staging.release(st)
-            return self._fallback("layout_mismatch", f"tail of {len(params.block_ids)} blocks does not fit "
+            return self.fallback("layout_mismatch", f"tail of {len(params.block_ids)} blocks does not fit "
                                                      f"{len(dest)} reserved after block {params.first_block}")
         start = time.monotonic()
         try:
@@ -150,13 +150,13 @@ class KVImporter:
             await staging.release(st)
             if failure is None:
                 raise
-            return self._fallback(*failure)
+            return self.fallback(*failure)
         except BaseException:
             await asyncio.shield(staging.release(st))
             raise
         return ImportResult(st.lease.lease_id, path=path or st.path, num_parts=st.num_parts,
                             transfer_s=st.pull_s + time.monotonic() - start)
 
-    def _fallback(self, reason: str, error: str) -> ImportResult:
+    def fallback(self, reason: str, error: str) -> ImportResult:
         self.fallbacks[reason] += 1
         return ImportResult(None, reason, error)
