@@ -87,7 +87,8 @@ def _bench(args: argparse.Namespace) -> int:
 
         sizes = [1, 16] if args.quick else None
         result = run(sizes_mib=sizes, transports=args.transports.split(",") if args.transports else None,
-                     same_host_sizes_mib=[16] if args.quick else None, same_host_repeats=3 if args.quick else 7)
+                     same_host_sizes_mib=[16] if args.quick else None, same_host_repeats=3 if args.quick else 7,
+                     overlap_requests=3 if args.quick else 8)
     elif args.target == "linears":
         from pdserve.bench.linears import run
 
@@ -195,8 +196,9 @@ def _library_parser() -> argparse.ArgumentParser:
                                             "linears", "attention", "structured", "peer", "tp"],
                        help="router, placement, peer: flags of their own (pdserve bench router --help)")
     bench.add_argument("--transports", default=None,
-                       help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh,shm,shm-staged (shm: "
-                            "same_host_ratio, the default same-host path against memcpy; shm-staged: its staged lane)")
+                       help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh,shm,shm-staged,overlap (shm: "
+                            "same_host_ratio, the default same-host path against memcpy; shm-staged: its staged lane; "
+                            "overlap: exposed_transfer_fraction from pdserve serve with the KV in parts and whole)")
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     bench.add_argument("--seed", type=int, default=0)

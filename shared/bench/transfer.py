@@ -251,12 +251,24 @@ async def _run(sizes_mib: list[int], transports: list[str], repeats: int) -> dic
 
 
 def run(sizes_mib: list[int] | None = None, transports: list[str] | None = None, repeats: int = 3,
-        same_host_sizes_mib: list[int] | None = None, same_host_repeats: int = 7) -> dict:
+        same_host_sizes_mib: list[int] | None = None, same_host_repeats: int = 7, overlap_requests: int = 8) -> dict:
     """`transports`: rows against memcpy or raw Redis (default all); "shm" among them (or by default) adds
     `same_host_ratio` over `same_host_sizes_mib` (default 16, 64, 256 MiB), "shm-staged" the same for the
-    staged lane (`same_host_staged_ratio`)."""
-    names = ["local", "redis", "ucx", "ucx-no-eh", "shm", "shm-staged"] if transports is None else list(transports)
-    result = asyncio.run(_run(sizes_mib or [1, 16, 64, 256], [n for n in names if not n.startswith("shm")], repeats))
+    staged lane (`same_host_staged_ratio`), "overlap" `exposed_transfer_fraction` and the TTFT with the KV
+    in parts and whole, from `pdserve serve` on the default model (pdserve.bench.overlap, default path)."""
+    names = ["local", "redis", "ucx", "ucx-no-eh", "shm", "shm-staged", "overlap"] if transports is None \
+        else list(transports)
+    rows = [n for n in names if not n.startswith("shm") and n != "overlap"]
+    result = asyncio.run(_run(sizes_mib or [1, 16, 64, 256], rows, repeats))
+    if "overlap" in names:
+        from pdserve.bench import overlap
+
+        runs = overlap.run(["shm"], num_requests=overlap_requests)
+        off, on = runs["runs"]
+        result["exposed_transfer_fraction"] = runs["exposed_transfer_fraction"]
+        result["ttft_ms_p50_parts_off_on"] = [off["ttft_ms_p50"], on["ttft_ms_p50"]]
+        result["first_gap_ms_p50_parts_off_on"] = [off["first_gap_ms_p50"], on["first_gap_ms_p50"]]
+        result["overlap"] = runs
     sizes = same_host_sizes_mib or [16, 64, 256]
     if "shm" in names and same_host_repeats > 0:
         result["same_host_ratio"] = asyncio.run(same_host_ratio(sizes, same_host_repeats))
