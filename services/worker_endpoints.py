@@ -91,7 +91,9 @@ class WorkerEndpoints:
                 "num_free_blocks": engine.num_free_blocks, "num_total_blocks": engine.num_total_blocks, "pulls_by_path": dict(getattr(transport, "pulls_by_path", {})),
                 "num_exports": transport.num_exports if transport is not None else 0,
                 "num_parts_staged": staging.num_parts_staged if staging is not None else 0,
-                "num_staged_imports": len(staging) if staging is not None else 0}
+                "num_staged_imports": len(staging) if staging is not None else 0,
+                "staged_import_failures": dict(staging.failures) if staging is not None else {},
+                "last_refusal": getattr(staging, "last_refusal", "")}
 
     async def metrics_snapshot(self, target: dict[str, Any] | None = None) -> dict[str, Any]:
         """`target` ({"replica": id}) only steers the call to this replica; see PlacementRequestRouter."""

@@ -170,7 +170,8 @@ class DispatchMixin:
         finished = imported = False
         sent: list[int] = []  # token ids the client has, in order; token j took the seeded stream's j-th draw
         try:
-            if placement.disaggregate and self._in_parts(request):
+            # parts need a named decode replica: Serve's own choice would scatter them over the pool
+            if placement.disaggregate and placement.decode_replica is not None and self._in_parts(request):
                 parts = PartSender(self.workers, request.to(placement.decode_replica), WORKER_GONE, self._spawn)
                 first = await self._prefill_in_parts(request.to(placement.prefill_replica), parts)
                 if first is None or first.handoff is None or first.handoff.first_block == 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from pdserve.api.contract import HandoffParams, KVPart
@@ -60,6 +60,8 @@ class StagedImports:
         self.max_age_s = max_age_s
         self.staged: dict[str, StagedImport] = {}
         self.num_parts_staged = 0  # parts pulled, in all
+        self.last_refusal = ""
+        self.failures: Counter[str] = Counter()  # staged imports that failed, by fallback reason
         self.ended: OrderedDict[str, float] = OrderedDict()  # recently ended imports: their late parts are refused
 
     def __len__(self) -> int:
@@ -69,12 +71,14 @@ class StagedImports:
         """Pull `part` into the request's reservation (made on its first part); False once it failed."""
         await self._purge()
         if request_id in self.ended:
+            self.last_refusal = "ended"
             return False  # a late part: its import already ended
         st = self.staged.get(request_id)
         if st is None:
             st = self.staged[request_id] = StagedImport(part.num_prompt_tokens)
         st.num_tokens = st.num_tokens or part.num_prompt_tokens  # the tail's call may have come first
         if st.failure is not None or st.ended:
+            self.last_refusal = f"failed before: {st.failure} ended={st.ended}"
             return False
         params = part.params
         if params.layout_hash != self.transport.layout.layout_hash:
@@ -97,16 +101,20 @@ class StagedImports:
             if len(dest) != len(params.block_ids) or params.first_block != st.num_filled_blocks:
                 st.failure = ("layout_mismatch", f"part at block {params.first_block} does not follow "
                                                  f"{st.num_filled_blocks} blocks of {len(st.lease.block_ids)}")
+                self.last_refusal = f"{request_id}: {st.failure} in_flight={st.in_flight}"
                 return False
             start = time.monotonic()
             try:
                 st.path = await self.transport.pull(params, dest)
             except Exception as exc:
                 st.failure = pull_failure(exc) or ("transfer_failed", f"{type(exc).__name__}: {exc}")
+                self.last_refusal = f"{request_id}: {st.failure}"
                 return False
             except BaseException:
                 st.failure = ("transfer_failed", "cancelled")
                 raise
+            if st.failure is not None:
+                self.last_refusal = str(st.failure)
             st.pull_s += time.monotonic() - start
             st.num_filled_blocks += len(dest)
             st.num_parts += 1
@@ -121,18 +129,23 @@ class StagedImports:
         """The request's staged import once the parts before the tail (`params.first_block` blocks) are
         in, or it failed (`failure`: set too when they are not all in within `timeout_s`). The tail's call
         may come before a part's: it waits for them."""
+        if request_id in self.ended:  # dropped before its tail came (a part failed, or the router gave up)
+            return StagedImport(0, failure=("transfer_failed", "its parts were dropped"), ended=True)
         st = self.staged.get(request_id)
         if st is None:
             st = self.staged[request_id] = StagedImport(0)
         deadline = time.monotonic() + timeout_s
-        while st.failure is None and (st.in_flight or st.num_filled_blocks < params.first_block):
+        while st.failure is None and not st.dropped and (st.in_flight or st.num_filled_blocks < params.first_block):
             st.changed.clear()
             try:
                 await asyncio.wait_for(st.changed.wait(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 st.failure = ("transfer_failed", f"parts missing after {timeout_s:.0f} s")
         self._end(request_id)
+        if st.dropped and st.failure is None:
+            st.failure = ("transfer_failed", "its parts were dropped")
         if st.failure is not None:
+            self.failures[st.failure[0]] += 1
             await self._drop(st)
         return st
 
@@ -159,6 +172,7 @@ class StagedImports:
 
     async def _drop(self, st: StagedImport) -> None:
         st.ended = st.dropped = True
+        st.changed.set()  # a tail waiting on it stops waiting
         if st.reserving is not None and st.lease is None and st.in_flight == 0:
             try:  # a part cancelled while it waited for the reservation
                 st.lease = await asyncio.shield(st.reserving)

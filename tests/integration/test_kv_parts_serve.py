@@ -36,6 +36,10 @@ def apps(ray_serve):
         ray_serve.run(build_app(router, build_prefill(workers), build_decode(workers)), name=app,
                       route_prefix=f"/{app}")
         urls[name] = (app, f"http://127.0.0.1:{ray_serve.http_port}/{app}")
+        for _ in range(100):  # parts need a named decode replica: placement names one once it has stats
+            if httpx.get(f"{urls[name][1]}/health", timeout=5).status_code == 200:
+                break
+            time.sleep(0.1)
     yield urls
     for app, _ in urls.values():
         ray_serve.delete(app)
