@@ -51,7 +51,7 @@ class RouterConfig(BaseModel):
     # a prompt longer than this goes from prefill to decode in parts of about this many tokens while it is
     # prefilled (decode pulls each as it comes; the prefill runs in chunks of this size), so that only the
     # last part is left to move once the first token is out; None: the whole KV after prefill
-    kv_part_tokens: int | None = Field(None, ge=16)
+    kv_part_tokens: int | None = Field(256, ge=16)
     # a decode replica lost mid-stream: the stream moves to a live one (waiting this long for one), this often
     max_migrations: int = Field(2, ge=0)
     migration_timeout_s: float = Field(10.0, ge=0)

@@ -4,6 +4,7 @@
     python -m pdserve.bench.netns_peer tcp-recv HOST PORT NBYTES REPEATS
     python -m pdserve.bench.netns_peer ucx-export HOST LAYOUT NUM_BLOCKS NUM_LEASES
     python -m pdserve.bench.netns_peer ucx-pull LAYOUT NUM_BLOCKS
+    python -m pdserve.bench.netns_peer ucx-pull-each LAYOUT NUM_BLOCKS
 
 tcp-recv listens and prints one JSON list of seconds per stream (first byte sent to last byte read); tcp-send
 connects and writes NBYTES per stream. ucx-export advertises HOST in its handoff params, prints them as one
@@ -102,6 +103,42 @@ async def ucx_pull(layout_name: str, num_blocks: int) -> None:
     print(json.dumps(times), flush=True)
 
 
+async def ucx_pull_each(layout_name: str, num_blocks: int) -> None:
+    """Pulls each lease in turn, printing `pulling I` before each, and then one JSON list of outcomes: a pull
+    that fails (its exporter killed) must fail cleanly, with this process alive to pull the next."""
+    import torch
+
+    from pdserve.bench.transfer import LAYOUTS
+    from pdserve.bench.ucx_peer import seeded_pool
+    from pdserve.kvcache.params import HandoffParams
+    from pdserve.kvcache.pool import KVPoolIO, allocate_pool
+    from pdserve.kvcache.transports.ucx import UCXConfig, UCXTransport
+
+    layout = LAYOUTS[layout_name]
+    all_params = [HandoffParams.from_dict(p) for p in json.loads(sys.stdin.readline())]
+    shape = (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    pool = KVPoolIO(allocate_pool(shape, getattr(torch, layout.dtype), "cpu").zero_())
+    transport = UCXTransport(pool, layout, config=UCXConfig.for_pool(pool))
+    await transport.start()
+    expected = seeded_pool(layout, num_blocks)
+    outcomes = []
+    try:
+        for i, params in enumerate(all_params):
+            ids = list(range(len(params.block_ids)))
+            pool.kv_pool.zero_()
+            print(f"pulling {i}", flush=True)
+            try:
+                await transport.pull(params, ids)
+            except Exception as exc:
+                outcomes.append({"ok": False, "error": type(exc).__name__})
+                continue
+            intact = all(torch.equal(expected.block_tensor(b), pool.block_tensor(b)) for b in (0, ids[-1]))
+            outcomes.append({"ok": True, "intact": intact})
+    finally:
+        await transport.close()
+    print(json.dumps(outcomes), flush=True)
+
+
 def main(argv: list[str]) -> None:
     role, args = argv[0], argv[1:]
     if role == "tcp-recv":
@@ -112,6 +149,8 @@ def main(argv: list[str]) -> None:
         asyncio.run(ucx_export(args[0], args[1], int(args[2]), int(args[3])))
     elif role == "ucx-pull":
         asyncio.run(ucx_pull(args[0], int(args[1])))
+    elif role == "ucx-pull-each":
+        asyncio.run(ucx_pull_each(args[0], int(args[1])))
     else:
         raise SystemExit(f"unknown role {role!r}")
 

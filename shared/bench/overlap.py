@@ -71,9 +71,7 @@ def measure(path: str, part_tokens: int | None, num_requests: int, prompt_tokens
 
     from pdserve.models.resolve import DEFAULT_MODEL
 
-    config = dict(PATHS[path])
-    if part_tokens:
-        config["router"] = {"kv_part_tokens": part_tokens}
+    config = dict(PATHS[path]) | {"router": {"kv_part_tokens": part_tokens}}  # None: the whole KV after prefill
     rng = random.Random(seed)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pdserve-overlap-") as f:
         json.dump(config, f)  # JSON is YAML
