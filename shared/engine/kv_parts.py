@@ -22,7 +22,8 @@ def part_tokens(kv_part_tokens: int, block_size: int) -> int:
 
 
 def take_parts(seqs: list[Sequence], block_manager: BlockManager, leases: LeaseTable) -> list[TokenDelta]:
-    """Parts that `seqs` (this step's prefills) completed; at most one per sequence and step."""
+    """Parts that `seqs` (a step's prefills) hold computed: before the step runs, a prefix-cache hit's
+    blocks; after it, what the step computed. At most one part per sequence and call."""
     deltas = []
     for seq in seqs:
         if seq.kv_part_tokens is None or not seq.prefill_only or seq.num_computed_tokens >= len(seq):

@@ -235,13 +235,15 @@ class LLMEngine:
         start = time.perf_counter()
         if self._busy_since is not None:
             self.step_gaps.append(start - self._busy_since)
+        # a prefix-cache hit's full blocks can leave before the rest of the prompt is computed
+        cached_parts = take_parts([seq for seq, _ in batch.prefills], self.block_manager, self.leases)
         seqs, logits, prompt_rows, verify_rows = self.runner.run(batch)
         for rows in prompt_rows:
             _record_prompt_logprobs(rows)
         sampled = self.sampler(logits, seqs) if seqs else None
         verified = verify(self.sampler, verify_rows) if verify_rows else []
         self._advance(batch, verified)
-        outputs = take_parts([seq for seq, _ in batch.prefills], self.block_manager, self.leases)
+        outputs = cached_parts + take_parts([seq for seq, _ in batch.prefills], self.block_manager, self.leases)
         if seqs:
             outputs.extend(self._postprocess(seqs, sampled))
         for result in verified:

@@ -93,3 +93,27 @@ def test_an_abort_mid_prompt_leaves_the_parts_readable_until_released(engine: LL
     assert all(engine.runner.kv_pool[b].equal(s) for b, s in zip(parts[0].block_ids, snapshot))
     for part in parts:
         assert engine.release_lease(part.lease_id)
+
+
+def test_a_prefix_cache_hit_leaves_as_a_part_before_the_rest_is_computed(engine, engine_b, reference) -> None:
+    prompt = prompt_of(100, salt=41)
+    warm = prefill_in_parts(engine, prompt, 32, request_id="warm")  # fills the prefix cache
+    for delta in warm:
+        engine.release_lease((delta.kv_part or delta.kv_handoff).lease_id)
+    plain = tokens_of(greedy(reference, prompt))
+    engine.add_request(GenerationRequest("hit", prompt, params(), prefill_only=True, kv_part_tokens=32))
+    first_step = engine.step()
+    # the 6 cached full blocks go out with the first step, as one part, beside the step that computes the rest
+    (part,) = [d.kv_part for d in first_step if d.kv_part is not None]
+    assert part.first_block == 0 and len(part.block_ids) == 6
+    deltas = list(first_step)
+    while engine.has_unfinished():
+        deltas += engine.step()
+    final = deltas[-1]
+    assert final.num_cached_tokens == 96 and final.kv_handoff.num_parted_blocks == 6
+    lease = engine_b.reserve_kv(final.kv_handoff.num_tokens)
+    for a_block, b_block in zip(final.kv_handoff.block_ids, lease.block_ids):
+        engine_b.runner.kv_pool[b_block].copy_(engine.runner.kv_pool[a_block])
+    assert engine.release_lease(part.lease_id) and engine.release_lease(final.kv_handoff.lease_id)
+    rest = run(engine_b, adopt(engine_b, prompt, lease.lease_id, final.token_ids[0]))["dec"]
+    assert [final.token_ids[0], *tokens_of(rest)] == plain
