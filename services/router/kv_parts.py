@@ -41,7 +41,7 @@ class PartSender:
             except self.worker_gone:
                 self.failed = True  # the decode replica is gone: its stream fails over when it is called
                 return
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any other failure: the part is not staged, decode falls back
                 logger.warning("KV part of %s not staged on %s: %s: %s", self.request.request_id,
                                self.request.replica, type(exc).__name__, exc)
                 staged = False

@@ -68,7 +68,6 @@ def _p50(values: list[float]) -> float:
 def measure(path: str, part_tokens: int | None, num_requests: int, prompt_tokens: int, port: int,
             seed: int) -> dict[str, Any]:
     import httpx
-
     from pdserve.models.resolve import DEFAULT_MODEL
 
     config = dict(PATHS[path]) | {"router": {"kv_part_tokens": part_tokens}}  # None: the whole KV after prefill

@@ -60,7 +60,7 @@ class StagedImports:
         self.max_age_s = max_age_s
         self.staged: dict[str, StagedImport] = {}
         self.num_parts_staged = 0  # parts pulled, in all
-        self.last_refusal = ""
+        self.last_refusal = ""  # why the last part was refused (request id, reason, error): for operators
         self.failures: Counter[str] = Counter()  # staged imports that failed, by fallback reason
         self.ended: OrderedDict[str, float] = OrderedDict()  # recently ended imports: their late parts are refused
 
@@ -71,14 +71,12 @@ class StagedImports:
         """Pull `part` into the request's reservation (made on its first part); False once it failed."""
         await self._purge()
         if request_id in self.ended:
-            self.last_refusal = "ended"
             return False  # a late part: its import already ended
         st = self.staged.get(request_id)
         if st is None:
             st = self.staged[request_id] = StagedImport(part.num_prompt_tokens)
         st.num_tokens = st.num_tokens or part.num_prompt_tokens  # the tail's call may have come first
         if st.failure is not None or st.ended:
-            self.last_refusal = f"failed before: {st.failure} ended={st.ended}"
             return False
         params = part.params
         if params.layout_hash != self.transport.layout.layout_hash:
@@ -91,30 +89,25 @@ class StagedImports:
                 try:
                     st.lease = await asyncio.shield(st.reserving)
                 except MemoryError as exc:
-                    st.failure = ("no_kv_capacity", str(exc))
-                    return False
+                    return self._refused(request_id, st, "no_kv_capacity", str(exc))
                 if st.ended:
                     return False
             else:
                 await self.engine.renew_lease(st.lease.lease_id)
             dest = list(st.lease.block_ids[params.first_block: params.first_block + len(params.block_ids)])
             if len(dest) != len(params.block_ids) or params.first_block != st.num_filled_blocks:
-                st.failure = ("layout_mismatch", f"part at block {params.first_block} does not follow "
-                                                 f"{st.num_filled_blocks} blocks of {len(st.lease.block_ids)}")
-                self.last_refusal = f"{request_id}: {st.failure} in_flight={st.in_flight}"
-                return False
+                return self._refused(request_id, st, "layout_mismatch", (
+                    f"part at block {params.first_block} does not follow {st.num_filled_blocks} blocks of "
+                    f"{len(st.lease.block_ids)}"))
             start = time.monotonic()
             try:
                 st.path = await self.transport.pull(params, dest)
-            except Exception as exc:
-                st.failure = pull_failure(exc) or ("transfer_failed", f"{type(exc).__name__}: {exc}")
-                self.last_refusal = f"{request_id}: {st.failure}"
-                return False
+            except Exception as exc:  # noqa: BLE001 - any failed pull fails the import, which then falls back
+                reason, error = pull_failure(exc) or ("transfer_failed", f"{type(exc).__name__}: {exc}")
+                return self._refused(request_id, st, reason, error)
             except BaseException:
                 st.failure = ("transfer_failed", "cancelled")
                 raise
-            if st.failure is not None:
-                self.last_refusal = str(st.failure)
             st.pull_s += time.monotonic() - start
             st.num_filled_blocks += len(dest)
             st.num_parts += 1
@@ -179,6 +172,11 @@ class StagedImports:
             except MemoryError:
                 pass
         await self._release_if_done(st)
+
+    def _refused(self, request_id: str, st: StagedImport, reason: str, error: str) -> bool:
+        st.failure = (reason, error)
+        self.last_refusal = f"{request_id}: {reason}: {error}"
+        return False  # the caller's `finally` releases the reservation once no pull is in flight
 
     async def _fail(self, st: StagedImport, reason: str, error: str) -> bool:
         st.failure = (reason, error)

@@ -11,14 +11,13 @@ import pytest
 pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 
-from ray import serve  # noqa: E402
-
-from pdserve.engine import LLM  # noqa: E402
-from pdserve.sampling_params import SamplingParams  # noqa: E402
-from pdserve.services.decode.app import build_app as build_decode  # noqa: E402
-from pdserve.services.prefill.app import build_app as build_prefill  # noqa: E402
-from pdserve.services.router import RouterConfig, build_app  # noqa: E402
-from pdserve.services.worker import WorkerConfig  # noqa: E402
+from pdserve.engine import LLM
+from pdserve.sampling_params import SamplingParams
+from pdserve.services.decode.app import build_app as build_decode
+from pdserve.services.prefill.app import build_app as build_prefill
+from pdserve.services.router import RouterConfig, build_app
+from pdserve.services.worker import WorkerConfig
+from ray import serve
 
 PART_TOKENS = 32
 PROMPT = "Parts of this prompt's KV move to decode while the rest of it is still being prefilled. " * 3

@@ -6,11 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from pdserve.engine import GenerationRequest, LLMEngine, TokenDelta
 from pdserve.engine.kv_parts import part_tokens
-from tests.unit.engine.test_split_phase import (BLOCK_SIZE, adopt, assert_all_free, greedy, make_engine, params,
-                                                 prompt_of, run, tokens_of)
+
+from tests.unit.engine.test_split_phase import (
+    BLOCK_SIZE,
+    adopt,
+    assert_all_free,
+    greedy,
+    make_engine,
+    params,
+    prompt_of,
+    run,
+    tokens_of,
+)
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,12 @@ import asyncio
 import dataclasses
 
 import pytest
-
 from pdserve.api.contract import KVPart
 from pdserve.engine import GenerationRequest
 from pdserve.engine.kv_staging import StagedImports
-from tests.unit.kvcache.test_local_handoff import GREEDY, NUM_BLOCKS, _collect, _engine, _free, _pair, tiny_dir  # noqa: F401
+
+from tests.unit.kvcache.test_local_handoff import GREEDY, NUM_BLOCKS, _collect, _engine, _free, _pair
+from tests.unit.kvcache.test_local_handoff import tiny_dir  # noqa: F401  (the module's fixture)
 
 PROMPT = tuple(range(40, 140))  # 100 tokens: 6 full blocks of 16 and a partial one
 PART_TOKENS = 32
@@ -36,7 +37,7 @@ def _whole(*engines) -> bool:
 
 
 @pytest.fixture
-def engines(tiny_dir):
+def engines(tiny_dir):  # noqa: F811
     return _engine(tiny_dir), _engine(tiny_dir), _engine(tiny_dir)
 
 
@@ -70,7 +71,7 @@ def test_an_import_that_ends_without_its_tail_frees_both_pools(engines, end):
         exporter, importer = _pair(a, b)
         staging = StagedImports(b, importer.transport)
         prompt = tuple((t * 7 + len(end)) % 250 for t in PROMPT)  # no prefix hit from another case
-        parts, first, handoff = await _prefill_in_parts(a, exporter, f"p-{end}", prompt)
+        parts, _, handoff = await _prefill_in_parts(a, exporter, f"p-{end}", prompt)
         assert len(parts) == 3
         tail = await exporter.export_tail(handoff)
         assert await staging.stage("r", parts[0])
