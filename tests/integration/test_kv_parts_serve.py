@@ -1,6 +1,6 @@
 """A prompt's KV handed from prefill to decode in parts while it is prefilled (router kv_part_tokens),
 through the real router, prefill and decode deployments: the same greedy text as the engine alone, on the
-default same-host path and over UCX; parts were pulled before the tail; nothing stays leased or staged."""
+default same-host path, over UCX and through Redis; parts were pulled before the tail; nothing stays leased or staged."""
 
 from __future__ import annotations
 
@@ -22,13 +22,15 @@ from ray import serve
 PART_TOKENS = 32
 PROMPT = "Parts of this prompt's KV move to decode while the rest of it is still being prefilled. " * 3
 MAX_TOKENS = 12
-PATHS = {"shm": {}, "ucx": {"kv_same_host": False}}
+PATHS = {"shm": {}, "ucx": {"kv_same_host": False}, "redis": {"transport": "redis"}}
 
 
 @pytest.fixture(scope="module")
-def apps(ray_serve):
+def apps(ray_serve, redis_server):
     urls = {}
     for name, extra in PATHS.items():
+        if name == "redis":
+            extra = {**extra, "redis_url": redis_server.url}
         workers = WorkerConfig(num_blocks=128, num_cpus=0.5, **extra)
         router = RouterConfig(num_cpus=0.25, disaggregate_min_prompt_tokens=16, kv_part_tokens=PART_TOKENS)
         app = f"kv-parts-{name}"
