@@ -50,8 +50,26 @@ class DispatchMixin:
         return size is not None and len(request.prompt_token_ids) > size
 
     async def _prefill_in_parts(self, request: WorkerRequest, parts: PartSender) -> PrefillResult | None:
-        """`_prefill`, streaming: each KVPart goes on to decode as it comes. Cancelled, the stream closes and
-        the prefill replica frees the leases it exported; None when the prefill replica is gone."""
+        """`_prefill`, streaming: each KVPart goes on to decode as it comes. Shielded like `_prefill`: a caller
+        cancelled meanwhile lets the stream run to its result, then frees every lease it offered and what
+        decode staged. None when the prefill replica is gone."""
+        call = asyncio.ensure_future(self._stream_prefill(request, parts))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda done: self._release_orphan_parts(done, parts))
+            raise
+
+    def _release_orphan_parts(self, call: asyncio.Future, parts: PartSender) -> None:
+        result = None if call.cancelled() or call.exception() is not None else call.result()
+        if result is not None and result.handoff is not None:
+            self._abort_lease(result.replica, result.handoff.lease_id, parts)
+        elif result is not None:
+            self._abort_parts(result.replica, parts)
+        else:
+            parts.abandon()
+
+    async def _stream_prefill(self, request: WorkerRequest, parts: PartSender) -> PrefillResult | None:
         request = dataclasses.replace(request, kv_part_tokens=self.config.kv_part_tokens)
         stream = self.workers.prefill_stream(request)
         result = None

@@ -86,6 +86,10 @@ class AsyncLLMEngine:
                 # (a worker link closes the stream, then its connection's loss cancels the call), and an
                 # abort cut short leaves the request decoding for nobody until max_tokens
                 await asyncio.shield(self.abort(request.request_id))
+                # leases the engine handed out in deltas nobody read (KV parts, a handoff) end with them
+                unread = [d for d in _drain(queue) if isinstance(d, TokenDelta)]
+                for lease in [d.kv_part or d.kv_handoff for d in unread if d.kv_part or d.kv_handoff]:
+                    await asyncio.shield(self.release_lease(lease.lease_id))
 
     async def abort(self, request_id: str) -> bool:
         async with self._lock:
@@ -180,3 +184,10 @@ class AsyncLLMEngine:
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
         for request_id in list(self._queues):
             await self.abort(request_id)
+
+
+def _drain(queue: asyncio.Queue) -> list:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items

@@ -128,12 +128,17 @@ class StagedImports:
         if st is None:
             st = self.staged[request_id] = StagedImport(0)
         deadline = time.monotonic() + timeout_s
-        while st.failure is None and not st.dropped and (st.in_flight or st.num_filled_blocks < params.first_block):
-            st.changed.clear()
-            try:
-                await asyncio.wait_for(st.changed.wait(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                st.failure = ("transfer_failed", f"parts missing after {timeout_s:.0f} s")
+        try:
+            while st.failure is None and not st.dropped and (st.in_flight or st.num_filled_blocks < params.first_block):
+                st.changed.clear()
+                try:
+                    await asyncio.wait_for(st.changed.wait(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    st.failure = ("transfer_failed", f"parts missing after {timeout_s:.0f} s")
+        except BaseException:  # cancelled (the client gone): nobody will adopt the reservation
+            self._end(request_id)
+            await asyncio.shield(self._drop(st))
+            raise
         self._end(request_id)
         if st.dropped and st.failure is None:
             st.failure = ("transfer_failed", "its parts were dropped")

@@ -98,3 +98,20 @@ def test_an_import_that_ends_without_its_tail_frees_both_pools(engines, end):
         await a.release_lease(tail.lease_id)
         assert _whole(a, b) and len(staging) == 0
     asyncio.run(main())
+
+
+def test_a_prefill_stream_closed_early_leaves_no_lease_behind(engines):
+    """Parts the engine leased in deltas its consumer never read end with the stream (an early close: the
+    prefill replica's caller gone), as does the request's own KV."""
+    async def main():
+        a, _, _ = engines
+        request = GenerationRequest("early", PROMPT, GREEDY, prefill_only=True, kv_part_tokens=16)
+        stream = a.generate(request)
+        first = await anext(stream)
+        assert first.kv_part is not None
+        await asyncio.sleep(0.05)  # more steps run: their parts wait unread in the request's queue
+        await stream.aclose()
+        assert a.engine.leases.leases == {first.kv_part.lease_id: a.engine.leases.leases[first.kv_part.lease_id]}
+        await a.release_lease(first.kv_part.lease_id)  # the part it did read is its reader's to end
+        assert _whole(a)
+    asyncio.run(main())
