@@ -69,6 +69,22 @@ class SystemConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _tensor_parallel_roles_hand_no_kv(self) -> SystemConfig:
+        """A tensor-parallel replica's ranks each pool only their own heads, and no transport moves per-rank
+        head ranges yet: a role with tensor_parallel_size > 1 must neither hand KV off nor pull it in."""
+        roles = ("prefill", "decode") if self.mode == "disaggregated" else ("decode",)
+        sizes = {role: getattr(self, role).get("tensor_parallel_size", 1) for role in roles}
+        named = ", ".join(f"{role}.tensor_parallel_size {n}" for role, n in sizes.items() if n > 1)
+        if named and self.mode == "disaggregated":
+            raise ValueError(f"{named}: disaggregated mode hands every prompt's KV from prefill to decode, and KV "
+                             "handoff between tensor-parallel replicas is not implemented yet (each rank's pool "
+                             "holds only its own heads); use mode colocated (decode prefills itself) or 1")
+        if named and self.transport == "redis":
+            raise ValueError(f"{named}: the redis transport pulls cached prefixes from the Redis tier into the pool "
+                             "as whole blocks, and each rank's pool holds only its own heads; use transport ucx or 1")
+        return self
+
+    @model_validator(mode="after")
     def _placement_sync_has_a_redis(self) -> SystemConfig:
         if self.router.get("placement_sync") == "redis" and not self.redis_url:
             raise ValueError("router.placement_sync: redis needs the system's redis_url (or auto / none)")

@@ -12,10 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.models.resolve import DEFAULT_MODEL
+from pdserve.services.serve_checks import (
+    ConfigError,
+    check_quantization,
+    check_tensor_parallel,
+    quantizations,
+    tensor_parallel_sizes,
+)
 
-
-class ConfigError(ValueError):
-    """Settings `pdserve serve` refuses before starting anything: one line per problem, each naming its key."""
+__all__ = ["ConfigError", "check_quantization", "check_tensor_parallel", "quantizations", "run", "system_config",
+           "tensor_parallel_sizes"]
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -55,6 +61,8 @@ def system_config(args: argparse.Namespace, redis_url: str | None):
             base.setdefault(role, {})["num_replicas"] = count
         if getattr(args, "quantization", None):
             base.setdefault(role, {})["quantization"] = args.quantization
+        if getattr(args, "tensor_parallel_size", None):
+            base.setdefault(role, {})["tensor_parallel_size"] = args.tensor_parallel_size
     if args.api_key:
         base.setdefault("router", {})["api_keys"] = args.api_key
     if args.api_key_file:
@@ -63,27 +71,6 @@ def system_config(args: argparse.Namespace, redis_url: str | None):
         return SystemConfig.model_validate(base)
     except ValidationError as exc:
         raise ConfigError("\n".join(config_errors(exc))) from None
-
-
-def quantizations(config) -> dict[str, str]:
-    """role -> the weight quantization its replicas serve (the roles this mode runs)."""
-    roles = ("prefill", "decode") if config.mode == "disaggregated" else ("decode",)
-    return {role: getattr(config, role).get("quantization", "none") for role in roles}
-
-
-def check_quantization(config) -> None:
-    """Refuses, before Redis or Ray starts, a quantization a role's model cannot be served in (the
-    tensor and the reason); ConfigError."""
-    asked = {(getattr(config, role).get("model", config.model), q) for role, q in quantizations(config).items()}
-    if all(q == "none" for _, q in asked):
-        return  # nothing to check: no torch import on the default path
-    from pdserve.models.served import check_quantization as check
-
-    for model, quantization in sorted(asked):
-        try:
-            check(model, quantization)
-        except (ValueError, FileNotFoundError) as exc:
-            raise ConfigError(f"quantization {quantization} of {model}: {exc}") from None
 
 
 def _start_redis(config):
@@ -184,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = system_config(args, args.redis_url)  # the file and the flags, refused before Redis or Ray starts
         check_quantization(config)
+        check_tensor_parallel(config)
     except ConfigError as exc:
         for line in str(exc).splitlines():
             print(f"pdserve serve: {line}", file=sys.stderr, flush=True)
@@ -267,8 +255,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         url = f"http://{args.host}:{args.port}"
         quant = ", ".join(f"{role} {q}" for role, q in quantizations(config).items())
+        tp = ", ".join(f"{role} {n}" for role, n in tensor_parallel_sizes(config).items() if n > 1)
         print(f"pdserve is serving {config.model} ({config.mode}, {config.transport} transport, {ingress} ingress, "
-              f"quantization: {quant}) at {url}", flush=True)
+              f"quantization: {quant}{f', tensor parallel: {tp}' if tp else ''}) at {url}", flush=True)
         served = config.served_model_name
         print(f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"model\": "
               f"\"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of "

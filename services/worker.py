@@ -45,6 +45,10 @@ class WorkerConfig(BaseModel):
     # weight-only linears (pdserve.models.quant_load): none (the model dtype) | auto (a GGUF's Q4_x / Q8_0
     # tensors as stored) | int8 | int4 | fp8 (needs a GPU with FP8)
     quantization: Literal["none", "auto", "int8", "int4", "fp8"] = "none"
+    # ranks of one replica splitting every layer (pdserve.models.tensor_parallel): the replica's process and
+    # tensor_parallel_size - 1 more, each with num_cpus threads. CPU (gloo) and unquantized weights only, and
+    # no KV handoff yet: SystemConfig refuses > 1 on a role that hands KV off (disaggregated mode)
+    tensor_parallel_size: int = Field(1, ge=1)
     block_size: int = Field(16, ge=1)
     kv_memory_bytes: int = Field(256 << 20, ge=1 << 20)
     num_blocks: int | None = Field(None, ge=1)
@@ -67,7 +71,8 @@ class WorkerConfig(BaseModel):
     # pulls through shared memory instead (pdserve.kvcache.transports.shm); off: always UCX
     kv_same_host: bool = True
     num_replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(1.0, ge=0)  # Ray CPUs per replica; also its torch thread count
+    # Ray CPUs per rank and its torch thread count: a replica asks Ray for num_cpus x tensor_parallel_size
+    num_cpus: float = Field(1.0, ge=0)
     label_selector: dict[str, str] = Field(default_factory=dict)  # node labels (compute- vs bandwidth-optimized)
     # Serve-level bounds: calls a replica runs at once (Serve's own default is 5, too few to batch), and
     # calls waiting at the caller's handle beyond that; past it the router answers 503 with Retry-After.
@@ -100,6 +105,18 @@ class WorkerConfig(BaseModel):
             raise ValueError(f"fp8 weights need a GPU with FP8; device {device!r} has none (int8 or int4 run on CPU)")
         return value
 
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tensor_parallel_runs_on_cpu(cls, value: int, info: ValidationInfo) -> int:
+        device, quantization = info.data.get("device", "cpu"), info.data.get("quantization", "none")
+        if value > 1 and not device.startswith("cpu"):
+            raise ValueError(f"above 1 the ranks run on CPU over gloo only; device {device!r} would need "
+                             "NCCL, which is not wired yet")
+        if value > 1 and quantization != "none":
+            raise ValueError(f"above 1 the ranks serve unquantized weights only, not quantization "
+                             f"{quantization!r} (quantized linears would need block-aligned shards)")
+        return value
+
     def resolved_ucx_host(self) -> str:
         return self.ucx_host or os.environ.get(UCX_HOST_ENV) or "127.0.0.1"
 
@@ -108,7 +125,7 @@ class WorkerConfig(BaseModel):
 
         return EngineConfig(
             model=self.model, device=self.device, dtype=self.dtype, quantization=self.quantization,
-            lease_ttl_s=self.lease_ttl_s,
+            lease_ttl_s=self.lease_ttl_s, tensor_parallel_size=self.tensor_parallel_size,
             num_threads=max(1, int(self.num_cpus)),
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               memory_budget_bytes=self.kv_memory_bytes,
@@ -121,7 +138,8 @@ class WorkerConfig(BaseModel):
         )
 
     def actor_options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {"num_cpus": self.num_cpus}
+        """Ray options of a replica: its ranks are processes on the replica's node, one CPU share each."""
+        options: dict[str, Any] = {"num_cpus": round(self.num_cpus * self.tensor_parallel_size, 4)}
         if self.serve_env:
             options["runtime_env"] = {"env_vars": dict(self.serve_env)}
         if self.label_selector:

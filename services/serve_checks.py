@@ -1,0 +1,56 @@
+"""What `pdserve serve` checks of a validated SystemConfig before Redis or Ray starts: per role, what the
+model can be served as (a quantization, a tensor-parallel split). Torch is imported only when a role asks
+for something to check."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """Settings `pdserve serve` refuses before starting anything: one line per problem, each naming its key."""
+
+
+def _roles(config) -> tuple[str, ...]:
+    return ("prefill", "decode") if config.mode == "disaggregated" else ("decode",)
+
+
+def quantizations(config) -> dict[str, str]:
+    """role -> the weight quantization its replicas serve (the roles this mode runs)."""
+    return {role: getattr(config, role).get("quantization", "none") for role in _roles(config)}
+
+
+def tensor_parallel_sizes(config) -> dict[str, int]:
+    """role -> the ranks of each of its replicas (the roles this mode runs)."""
+    return {role: getattr(config, role).get("tensor_parallel_size", 1) for role in _roles(config)}
+
+
+def check_quantization(config) -> None:
+    """Refuses, before Redis or Ray starts, a quantization a role's model cannot be served in (the
+    tensor and the reason); ConfigError."""
+    asked = {(getattr(config, role).get("model", config.model), q) for role, q in quantizations(config).items()}
+    if all(q == "none" for _, q in asked):
+        return  # nothing to check: no torch import on the default path
+    from pdserve.models.served import check_quantization as check
+
+    for model, quantization in sorted(asked):
+        try:
+            check(model, quantization)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(f"quantization {quantization} of {model}: {exc}") from None
+
+
+def check_tensor_parallel(config) -> None:
+    """Refuses, before Redis or Ray starts, a tensor_parallel_size a role's model cannot be split into (more
+    ranks than attention heads, query heads that do not group over the KV heads); ConfigError."""
+    asked = {(getattr(config, role).get("model", config.model), n)
+             for role, n in tensor_parallel_sizes(config).items() if n > 1}
+    if not asked:
+        return
+    from pdserve.models.config import load_model_config
+    from pdserve.models.resolve import resolve_model_path
+    from pdserve.models.tensor_parallel import check_tensor_parallel as check
+
+    for model, size in sorted(asked):
+        try:
+            check(load_model_config(resolve_model_path(model)), size)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(f"tensor_parallel_size {size} of {model}: {exc}") from None

@@ -1,0 +1,108 @@
+"""tensor_parallel_size per role: validated where the config is read (named by its key), set on both roles by
+`pdserve serve --tensor-parallel-size`, passed to each role's engine and to Ray as one CPU share per rank, and
+refused before anything starts on a role that hands KV off (no handoff between tensor-parallel replicas yet)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from pdserve.services.app import SystemConfig, config_errors
+from pdserve.services.cli import serve_parser
+from pdserve.services.cpu_shares import fit_cpu_shares
+from pdserve.services.serve import ConfigError, check_tensor_parallel, run, system_config, tensor_parallel_sizes
+
+HANDOFF = ("disaggregated mode hands every prompt's KV from prefill to decode, and KV handoff between "
+           "tensor-parallel replicas is not implemented yet (each rank's pool holds only its own heads); use mode "
+           "colocated (decode prefills itself) or 1")
+
+
+def _errors(raw: dict) -> list[str]:
+    with pytest.raises(ValidationError) as caught:
+        SystemConfig.model_validate(raw)
+    return config_errors(caught.value)
+
+
+def test_colocated_decode_reaches_the_engine_and_asks_ray_for_a_share_per_rank():
+    config = SystemConfig(mode="colocated", decode={"tensor_parallel_size": 2, "num_cpus": 1.5})
+    worker = config.worker("decode")
+    engine = worker.engine_config()
+    assert (engine.tensor_parallel_size, engine.num_threads) == (2, 1)  # each rank runs int(num_cpus) threads
+    assert worker.deployment_options()["ray_actor_options"]["num_cpus"] == 3.0
+    assert SystemConfig().worker("decode").actor_options()["num_cpus"] == 1.0
+    assert SystemConfig().worker("decode").engine_config().tensor_parallel_size == 1
+    assert tensor_parallel_sizes(config) == {"decode": 2}  # colocated: no prefill pool
+    assert tensor_parallel_sizes(SystemConfig()) == {"prefill": 1, "decode": 1}
+
+
+@pytest.mark.parametrize(("raw", "named"), [
+    ({"decode": {"tensor_parallel_size": 2}}, "decode.tensor_parallel_size 2"),
+    ({"prefill": {"tensor_parallel_size": 4}}, "prefill.tensor_parallel_size 4"),
+    ({"prefill": {"tensor_parallel_size": 2}, "decode": {"tensor_parallel_size": 2}},
+     "prefill.tensor_parallel_size 2, decode.tensor_parallel_size 2"),
+])
+def test_a_role_that_hands_kv_off_is_refused_naming_it_and_why(raw, named):
+    assert _errors(raw) == [f"{named}: {HANDOFF}"]
+    assert _errors({"mode": "disaggregated", **raw}) == [f"{named}: {HANDOFF}"]
+
+
+def test_what_the_ranks_cannot_run_is_refused_naming_the_key():
+    assert _errors({"mode": "colocated", "decode": {"tensor_parallel_size": 0}}) == [
+        "decode.tensor_parallel_size: Input should be greater than or equal to 1 (got 0)"]
+    (line,) = _errors({"mode": "colocated", "decode": {"tensor_parallel_size": 2, "device": "cuda"}})
+    assert line == ("decode.tensor_parallel_size: above 1 the ranks run on CPU over gloo only; device 'cuda' would "
+                    "need NCCL, which is not wired yet (got 2)")
+    (line,) = _errors({"mode": "colocated", "decode": {"tensor_parallel_size": 2, "quantization": "int8"}})
+    assert line.startswith("decode.tensor_parallel_size: above 1 the ranks serve unquantized weights only"), line
+    redis = {"mode": "colocated", "transport": "redis", "redis_url": "redis://127.0.0.1:1/0"}
+    (line,) = _errors({**redis, "decode": {"tensor_parallel_size": 2}})
+    assert line.startswith("decode.tensor_parallel_size 2: the redis transport pulls cached prefixes"), line
+    # colocated runs no prefill pool: its section is not checked
+    assert SystemConfig(mode="colocated", prefill={"tensor_parallel_size": 2}).mode == "colocated"
+
+
+def test_the_flag_sets_both_roles_over_the_file_and_is_refused_unless_colocated(tmp_path):
+    path = tmp_path / "system.yaml"
+    path.write_text("mode: colocated\ndecode: {tensor_parallel_size: 3, max_num_seqs: 8}\n")
+    from_file = system_config(serve_parser().parse_args(["--config", str(path)]), None)
+    assert tensor_parallel_sizes(from_file) == {"decode": 3}
+    flagged = system_config(serve_parser().parse_args(["--config", str(path), "--tensor-parallel-size", "2"]), None)
+    assert tensor_parallel_sizes(flagged) == {"decode": 2} and flagged.worker("decode").max_num_seqs == 8
+    with pytest.raises(ConfigError) as caught:
+        system_config(serve_parser().parse_args(["--tensor-parallel-size", "2"]), None)
+    assert str(caught.value) == f"prefill.tensor_parallel_size 2, decode.tensor_parallel_size 2: {HANDOFF}"
+
+
+def test_a_split_the_model_cannot_take_is_refused_before_ray(capsys):
+    args = ["--model", "tiny", "--mode", "colocated", "--port", "1"]
+    config = system_config(serve_parser().parse_args([*args, "--tensor-parallel-size", "2"]), None)
+    check_tensor_parallel(config)  # tiny: 8 heads over 4 KV heads
+    too_many = system_config(serve_parser().parse_args([*args, "--tensor-parallel-size", "9"]), None)
+    with pytest.raises(ConfigError, match="tensor_parallel_size 9 of tiny: tensor_parallel_size 9 exceeds the "
+                                          "model's 8 attention heads: a rank would own no head"):
+        check_tensor_parallel(too_many)
+    assert run(serve_parser().parse_args([*args, "--tensor-parallel-size", "9"])) == 2
+    assert "pdserve serve: tensor_parallel_size 9 of tiny: tensor_parallel_size 9 exceeds" in capsys.readouterr().err
+
+
+def test_cpu_shares_count_every_rank():
+    config = SystemConfig(mode="colocated", decode={"tensor_parallel_size": 2})
+    shares = fit_cpu_shares(config, 2)
+    assert shares.decode == pytest.approx(0.85) and shares.used == pytest.approx(1.95)
+    assert shares.describe() == ("CPU split of the 2 CPUs Ray sees: router 1 x 0.25, decode 1 x 2 ranks x 0.85 "
+                                 "(1.95 used)")
+    applied = shares.apply(config).worker("decode")
+    assert applied.actor_options()["num_cpus"] == pytest.approx(1.7) and applied.engine_config().num_threads == 1
+    stated = fit_cpu_shares(SystemConfig(mode="colocated", decode={"tensor_parallel_size": 2, "num_cpus": 2}), 8)
+    assert stated.used == pytest.approx(4.5)  # 0.5 router + 2 ranks x 2
+
+
+def test_pdserve_serve_with_ranks_in_disaggregated_mode_exits_at_once_naming_the_roles():
+    done = subprocess.run([sys.executable, "-m", "pdserve.services.cli", "serve", "--model", "tiny",
+                           "--tensor-parallel-size", "2"], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == f"pdserve serve: prefill.tensor_parallel_size 2, decode.tensor_parallel_size 2: {HANDOFF}"
+    assert "pdserve is serving" not in done.stdout
