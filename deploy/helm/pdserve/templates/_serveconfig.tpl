@@ -46,8 +46,10 @@
 {{- $_ := set $d "autoscaling_config" (include "pdserve.autoscalingConfig" $v.autoscaling | fromJson) -}}
 {{- end -}}
 {{- if gt (float64 $v.numGpus) 0.0 -}}
-{{- $cpus := default 1 (index (default dict $v.worker) "num_cpus") -}}
-{{- $_ := set $d "ray_actor_options" (dict "num_cpus" $cpus "num_gpus" $v.numGpus "label_selector" (dict $key $role)) -}}
+{{- /* per rank: a replica of tensor_parallel_size ranks takes that many CPU shares and GPUs (WorkerConfig.actor_options) */ -}}
+{{- $ranks := include "pdserve.ranks" $v | float64 -}}
+{{- $cpus := default 1 (index (default dict $v.worker) "num_cpus") | float64 -}}
+{{- $_ := set $d "ray_actor_options" (dict "num_cpus" (mulf $cpus $ranks) "num_gpus" (mulf $v.numGpus $ranks) "label_selector" (dict $key $role)) -}}
 {{- end -}}
 {{- if $d -}}
 {{- $_ := set $d "name" $role -}}
@@ -72,4 +74,9 @@
 {{- $_ := set $cfg "grpc_options" (dict "port" (int .Values.serve.grpcPort) "grpc_servicer_functions" (list "pdserve.v1.generate_pb2_grpc.add_GenerateServiceServicer_to_server")) -}}
 {{- end -}}
 {{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* A role's tensor_parallel_size (ranks per replica), from its worker values. */}}
+{{- define "pdserve.ranks" -}}
+{{- int (default 1 (index (default dict .worker) "tensor_parallel_size")) -}}
 {{- end -}}

@@ -21,6 +21,15 @@
 {{- if hasKey (default dict $v.rayStartParams) "labels" -}}
 {{- fail (printf "%s.rayStartParams.labels is not allowed: pdserve sets the group's Ray labels itself" $role) -}}
 {{- end -}}
+{{- $ranks := include "pdserve.ranks" $v | int -}}
+{{- if and (gt $ranks 1) (eq $.Values.system.mode "disaggregated") -}}
+{{- fail (printf "%s.worker.tensor_parallel_size %d: disaggregated mode hands every prompt's KV from prefill to decode, and KV handoff between tensor-parallel replicas is not implemented yet; set system.mode colocated (decode prefills itself) or 1" $role $ranks) -}}
+{{- end -}}
+{{- $podGpus := index (default dict (default dict $v.resources).limits) "nvidia.com/gpu" | default 0 | float64 -}}
+{{- $replicaGpus := mulf (float64 $v.numGpus) (float64 $ranks) -}}
+{{- if gt $replicaGpus $podGpus -}}
+{{- fail (printf "%s: a replica takes numGpus x worker.tensor_parallel_size = %g GPUs but the pod's resources.limits[nvidia.com/gpu] is %g: it would never be scheduled" $role $replicaGpus $podGpus) -}}
+{{- end -}}
 {{- if $v.rayResources -}}
 {{- range $k := list "num-cpus" "num-gpus" "memory" "resources" -}}
 {{- if hasKey (default dict $v.rayStartParams) $k -}}
