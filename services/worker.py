@@ -181,6 +181,10 @@ def build_transport(config: WorkerConfig, engine: AsyncLLMEngine) -> KVTransport
 
     pool, layout = engine_pool(engine), engine_layout(engine)
     release = engine.release_lease_quietly
+    if config.tensor_parallel_size > 1:  # the driver's pool holds only rank 0's heads: nothing moves in or out
+        from pdserve.services.no_handoff import NoHandoff
+
+        return NoHandoff(pool, layout, release)
     if config.transport == "redis":
         return create_transport("redis", pool, layout, release, url=config.redis_url, ttl_s=int(config.lease_ttl_s) * 20)
     ucx = UCXConfig.for_pool(pool, endpoint_error_handling=config.ucx_endpoint_error_handling)
