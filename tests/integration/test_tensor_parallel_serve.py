@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from pdserve.sampling_params import SamplingParams  # noqa: E402
-from pdserve.services.app import SystemConfig, build_system  # noqa: E402
+from pdserve.sampling_params import SamplingParams
+from pdserve.services.app import SystemConfig, build_system
 
 APP, PREFIX = "pdserve-tp", "/tp"
 MESSAGES = [{"role": "user", "content": "Tell me everything about tensor parallelism."}]
