@@ -145,14 +145,24 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from pdserve.plan import PlanInput, latency_model_for, load_model_config, parse_bytes, plan, render
+    from pdserve.plan_tp import AllReduceCost
 
     config = load_model_config(args.model)
+    tensor_parallel = max(args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size) > 1
+    if tensor_parallel and args.measure:
+        print("pdserve plan: --measure runs the model in one process (tensor_parallel_size 1)", file=sys.stderr)
+        return 2
+    allreduce = None
+    if args.allreduce_latency_us is not None and args.allreduce_bandwidth:
+        allreduce = AllReduceCost(args.allreduce_latency_us / 1e6, args.allreduce_bandwidth)
     inp = PlanInput(
         memory_bytes=parse_bytes(args.memory), ttft_slo_s=args.ttft_ms / 1e3, tpot_slo_s=args.tpot_ms / 1e3,
         rate_rps=args.rate, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
         dtype=args.dtype,
         memory_utilization=args.memory_utilization, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
         packed_weights=args.packed_weights, quantization=args.quantization,
+        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+        decode_tensor_parallel_size=args.decode_tensor_parallel_size, allreduce=allreduce,
     )
     hardware = (config, args.dtype, args.flops, args.bandwidth, args.kv_cache_dtype, args.quantization)
     try:
@@ -161,7 +171,11 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
-    result = plan(config, inp, prefill, decode, source)
+    try:
+        result = plan(config, inp, prefill, decode, source)
+    except ValueError as exc:
+        print(f"pdserve plan: {exc}", file=sys.stderr)
+        return 2
     check = None
     if args.measure:
         from pdserve.bench import plan_check
@@ -225,7 +239,8 @@ def _library_parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=_profile)
     pl = sub.add_parser("plan", help="capacity plan: KV sizes, per-replica throughput, prefill:decode ratio")
     pl.add_argument("--model", default="tiny", help="'tiny', a Hugging Face checkpoint dir or a config.json")
-    pl.add_argument("--memory", required=True, help="device memory per replica, e.g. 24GiB")
+    pl.add_argument("--memory", required=True,
+                    help="memory per device, e.g. 24GiB (a replica of n tensor-parallel ranks has n devices)")
     pl.add_argument("--memory-utilization", type=float, default=0.9)
     pl.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     pl.add_argument("--block-size", type=int, default=16)
@@ -237,6 +252,14 @@ def _library_parser() -> argparse.ArgumentParser:
     pl.add_argument("--quantization", choices=["none", "int8", "int4", "fp8"], default="none",
                     help="weight-only linears: bytes per parameter held and read (pdserve.plan.QUANT_WEIGHT_BYTES); "
                          "int4 keeps the LM head at 8 bits")
+    for role in ("prefill", "decode"):
+        pl.add_argument(f"--{role}-tensor-parallel-size", type=int, default=1,
+                        help=f"ranks (devices) per {role} replica: its step time split n ways plus two all-reduces "
+                             "per layer (pdserve.plan_tp); needs the --allreduce-* costs above 1")
+    pl.add_argument("--allreduce-latency-us", type=float, default=None,
+                    help="one all-reduce call's latency (alpha), microseconds")
+    pl.add_argument("--allreduce-bandwidth", type=float, default=None,
+                    help="all-reduce bus bandwidth (beta, nccl-tests' busbw), bytes/s")
     pl.add_argument("--ttft-ms", type=float, required=True)
     pl.add_argument("--tpot-ms", type=float, required=True)
     pl.add_argument("--profile", default=None, help="profile file from `pdserve profile`")

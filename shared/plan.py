@@ -5,6 +5,10 @@ batch and context it holds, the prefill rate that keeps mean TTFT within the SLO
 throughput at the largest batch whose step time meets the TPOT SLO; then the prefill:decode replica
 split for a target request rate and length mix.
 
+A replica of n tensor-parallel ranks takes n devices: its step times and memory follow pdserve.plan_tp.
+`--memory`, the weights held and the KV pool are per device (of a decode replica), the tokens it holds per
+replica.
+
 Prefill is modelled as an M/D/1 queue (Poisson arrivals, one prompt at a time, service D =
 prefill_time(prompt)): mean TTFT = D + ρD / (2(1 - ρ)) <= SLO gives ρ <= 2(SLO - D) / (2·SLO - D)
 and a rate of ρ / D per replica. Decode is bounded by the TPOT SLO and by KV memory, not by queueing.
@@ -20,6 +24,7 @@ from pathlib import Path
 
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel
 from pdserve.models.config import ModelConfig, model_config_from_hf
+from pdserve.plan_tp import AllReduceCost, rank_config, replicated_config, tensor_parallel_model
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # weight-only quantized linears (pdserve.models.quant_linear), bytes per parameter with groups of 32:
@@ -135,7 +140,7 @@ def roofline_model(
 
 @dataclass(frozen=True)
 class PlanInput:
-    memory_bytes: int
+    memory_bytes: int  # per device
     ttft_slo_s: float
     tpot_slo_s: float
     rate_rps: float
@@ -147,17 +152,20 @@ class PlanInput:
     kv_cache_dtype: str = "auto"  # "int8" | "fp8_e4m3": values of 1 byte plus a float16 scale per token and head
     packed_weights: bool = False  # CPU serving with EngineConfig.pack_weights: a second copy of each linear weight
     quantization: str = "none"  # weight-only linears: "int4" | "int8" | "fp8" (QUANT_WEIGHT_BYTES)
+    prefill_tensor_parallel_size: int = 1  # ranks (devices) per replica
+    decode_tensor_parallel_size: int = 1
+    allreduce: AllReduceCost | None = None  # the interconnect, needed where a role has more than one rank
 
 
 @dataclass(frozen=True)
 class Plan:
     latency_source: str  # "profile" | "roofline"
     num_parameters: int
-    weight_bytes: int  # held in memory
+    weight_bytes: int  # held by one device of a decode replica (the driver rank's, the fullest)
     weight_read_bytes: int  # read by one decode step at batch 1
     kv_bytes_per_token: int
     kv_bytes_per_request: int
-    kv_pool_bytes: int
+    kv_pool_bytes: int  # on one device of a decode replica
     max_kv_tokens: int
     max_context_tokens: int
     max_batch_memory: int  # requests of the mean length the pool holds at once
@@ -170,7 +178,11 @@ class Plan:
     decode_rps: float
     prefill_replicas: float  # for the target rate, fractional
     decode_replicas: float
-    ratio: str  # suggested integer prefill:decode
+    ratio: str  # suggested integer prefill:decode replicas
+    prefill_tensor_parallel_size: int
+    decode_tensor_parallel_size: int
+    prefill_devices: float  # replicas x ranks
+    decode_devices: float
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
@@ -181,13 +193,27 @@ def plan(
     config: ModelConfig, inp: PlanInput, prefill: LatencyModel, decode: LatencyModel, latency_source: str
 ) -> Plan:
     dtype_bytes = DTYPE_BYTES[inp.dtype]
+    n_p, n_d = inp.prefill_tensor_parallel_size, inp.decode_tensor_parallel_size
+    if min(n_p, n_d) < 1:
+        raise ValueError("a tensor-parallel size must be >= 1")
+    if max(n_p, n_d) > 1:
+        if inp.allreduce is None:
+            raise ValueError("more than one rank per replica needs the all-reduce cost "
+                             "(--allreduce-latency-us and --allreduce-bandwidth)")
+        prefill = tensor_parallel_model(prefill, config, n_p, dtype_bytes, inp.allreduce)
+        decode = tensor_parallel_model(decode, config, n_d, dtype_bytes, inp.allreduce)
     params = num_parameters(config)
     weights, read = weight_bytes(config, inp.dtype, inp.quantization, inp.packed_weights)
+    everywhere = (weight_bytes(replicated_config(config), inp.dtype, inp.quantization, inp.packed_weights)[0]
+                  + 2 * config.num_layers * config.hidden_size * dtype_bytes)  # + every layer's two norms
     per_token = kv_bytes_per_token(config, dtype_bytes, inp.kv_cache_dtype)
     length = inp.prompt_tokens + inp.output_tokens
-    pool = max(0, int(inp.memory_bytes * inp.memory_utilization) - weights)
-    block_bytes = per_token * inp.block_size
-    max_tokens = pool // block_bytes * inp.block_size
+    # per device of a decode replica (the driver's: the LM head too): its share of the split weights, the
+    # replicated ones, and a pool of blocks holding its KV heads
+    device_weights = math.ceil((weights - everywhere) / n_d) + everywhere
+    device_pool = max(0, int(inp.memory_bytes * inp.memory_utilization) - device_weights)
+    block_bytes = kv_bytes_per_token(rank_config(config, n_d), dtype_bytes, inp.kv_cache_dtype) * inp.block_size
+    max_tokens = device_pool // block_bytes * inp.block_size
     per_request_tokens = math.ceil(length / inp.block_size) * inp.block_size
     max_batch_memory = max_tokens // per_request_tokens
     notes = []
@@ -218,14 +244,15 @@ def plan(
     need_d = inp.rate_rps / decode_rps if decode_rps else math.inf
     ratio = f"{math.ceil(need_p)}:{math.ceil(need_d)}" if math.isfinite(need_p + need_d) else "infeasible"
     return Plan(
-        latency_source=latency_source, num_parameters=params, weight_bytes=weights, weight_read_bytes=read,
-        kv_bytes_per_token=per_token,
-        kv_bytes_per_request=per_token * length, kv_pool_bytes=pool, max_kv_tokens=max_tokens,
+        latency_source=latency_source, num_parameters=params, weight_bytes=device_weights,
+        weight_read_bytes=read, kv_bytes_per_token=per_token,
+        kv_bytes_per_request=per_token * length, kv_pool_bytes=device_pool, max_kv_tokens=max_tokens,
         max_context_tokens=min(max_tokens, config.max_position_embeddings), max_batch_memory=max_batch_memory,
         prefill_s=prefill_s, prefill_tokens_s=inp.prompt_tokens / prefill_s if prefill_s else 0.0,
         prefill_rps=prefill_rps, decode_batch=batch, decode_step_s=step, decode_tokens_s=decode_tokens_s,
         decode_rps=decode_rps, prefill_replicas=need_p, decode_replicas=need_d, ratio=ratio,
-        notes=tuple(notes),
+        prefill_tensor_parallel_size=n_p, decode_tensor_parallel_size=n_d,
+        prefill_devices=need_p * n_p, decode_devices=need_d * n_d, notes=tuple(notes),
     )
 
 
@@ -247,16 +274,17 @@ def latency_model_for(args_profile: str | None, role: str, config: ModelConfig, 
 
 def render(p: Plan, inp: PlanInput) -> str:
     gib = 2**30
+    device = " per device" if p.decode_tensor_parallel_size > 1 else ""
     lines = [
         f"latency model: {p.latency_source}",
-        f"parameters {p.num_parameters / 1e6:.1f}M, weights {p.weight_bytes / gib:.2f} GiB ({inp.dtype}"
+        f"parameters {p.num_parameters / 1e6:.1f}M, weights {p.weight_bytes / gib:.2f} GiB{device} ({inp.dtype}"
         f"{f', linears {inp.quantization}' if inp.quantization != 'none' else ''}"
         f"{', linears packed twice' if inp.packed_weights and inp.quantization == 'none' else ''}), "
         f"{p.weight_read_bytes / 2**20:.1f} MiB read per decode step",
         f"KV per token {p.kv_bytes_per_token} B ({inp.kv_cache_dtype}), per request "
         f"({inp.prompt_tokens}+{inp.output_tokens} tokens) "
         f"{p.kv_bytes_per_request / 2**20:.2f} MiB",
-        f"KV pool {p.kv_pool_bytes / gib:.2f} GiB: {p.max_kv_tokens} tokens, "
+        f"KV pool {p.kv_pool_bytes / gib:.2f} GiB{device}: {p.max_kv_tokens} tokens, "
         f"max context {p.max_context_tokens}, "
         f"max batch {p.max_batch_memory} at the mean length",
         f"prefill per replica: {p.prefill_s * 1e3:.1f} ms per mean prompt, {p.prefill_tokens_s:.0f} tok/s, "
@@ -267,4 +295,8 @@ def render(p: Plan, inp: PlanInput) -> str:
         f"{p.decode_replicas:.2f} decode replicas "
         f"-> prefill:decode = {p.ratio}",
     ]
+    if max(p.prefill_tensor_parallel_size, p.decode_tensor_parallel_size) > 1:
+        lines.append(f"tensor parallel: {p.prefill_tensor_parallel_size} ranks per prefill replica, "
+                     f"{p.decode_tensor_parallel_size} per decode replica: {p.prefill_devices:.2f} + "
+                     f"{p.decode_devices:.2f} devices")
     return "\n".join(lines + [f"note: {n}" for n in p.notes])
