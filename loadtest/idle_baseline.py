@@ -27,6 +27,9 @@ OLD_TARGET = "colocated-old-2cpu"
 BASELINE = "disaggregated"
 
 
+DEFAULT_NUM_CPUS = 1.0  # WorkerConfig.num_cpus's default
+
+
 def idle_targets(scenario: Scenario, old_from: str = "colocated-no-chunking") -> list[TargetSpec]:
     """The scenario's targets, then the colocated target as it was until run 12: `old_from` with one
     replica of two CPUs (everything else as it is)."""
@@ -36,12 +39,10 @@ def idle_targets(scenario: Scenario, old_from: str = "colocated-no-chunking") ->
 
 
 def configured_threads(system: dict[str, Any]) -> dict[str, int]:
-    """role -> the torch thread count its worker sets (torch.set_num_threads from WorkerConfig.engine_config)."""
-    from pdserve.services.app import SystemConfig
-
-    config = SystemConfig.model_validate(system)
-    roles = ("prefill", "decode") if config.mode == "disaggregated" else ("decode",)
-    return {role: config.worker(role).engine_config().num_threads for role in roles}
+    """role -> the torch thread count its worker sets: WorkerConfig.engine_config's max(1, int(num_cpus)),
+    read from the system's dict (the load tester never imports the services)."""
+    roles = ("prefill", "decode") if system.get("mode", "disaggregated") == "disaggregated" else ("decode",)
+    return {role: max(1, int(system.get(role, {}).get("num_cpus", DEFAULT_NUM_CPUS))) for role in roles}
 
 
 def os_threads(pid: int) -> int | None:
