@@ -85,12 +85,7 @@ class DispatchMixin:
         except WORKER_GONE as exc:
             if result is not None:  # gone after it answered: its lease is lost with it, decode falls back
                 return result
-            logger.warning("prefill for %s failed, decode prefills locally: %s: %s", request.request_id,
-                           type(exc).__name__, exc)
-            if request.replica is not None:
-                self.workers.forget("prefill", request.replica)
-            self.metrics.count_fallback("prefill_unavailable")
-            return None
+            return self._prefill_lost(request, exc)
         finally:
             if result is None:
                 stream.cancel()
@@ -284,12 +279,15 @@ class DispatchMixin:
             call.add_done_callback(self._release_orphan)
             raise
         except WORKER_GONE as exc:
-            logger.warning("prefill for %s failed, decode prefills locally: %s: %s", request.request_id,
-                           type(exc).__name__, exc)
-            if request.replica is not None:
-                self.workers.forget("prefill", request.replica)
-            self.metrics.count_fallback("prefill_unavailable")
-            return None
+            return self._prefill_lost(request, exc)
+
+    def _prefill_lost(self, request: WorkerRequest, exc: BaseException) -> None:
+        """The prefill replica is gone before it answered: counted, and decode prefills locally."""
+        logger.warning("prefill for %s failed, decode prefills locally: %s: %s", request.request_id,
+                       type(exc).__name__, exc)
+        if request.replica is not None:
+            self.workers.forget("prefill", request.replica)
+        self.metrics.count_fallback("prefill_unavailable")
 
     @staticmethod
     async def _await(response) -> Any:
