@@ -73,11 +73,12 @@ async def ucx_export(host: str, layout_name: str, num_blocks: int, num_leases: i
     await transport.close()
 
 
-async def ucx_pull(layout_name: str, num_blocks: int) -> None:
+async def _puller(layout_name: str, num_blocks: int):
+    """(layout, the handoffs read from stdin, a zeroed pool, a started UCX transport with the workers'
+    default config) for a puller."""
     import torch
 
     from pdserve.bench.transfer import LAYOUTS
-    from pdserve.bench.ucx_peer import seeded_pool
     from pdserve.kvcache.params import HandoffParams
     from pdserve.kvcache.pool import KVPoolIO, allocate_pool
     from pdserve.kvcache.transports.ucx import UCXConfig, UCXTransport
@@ -88,6 +89,15 @@ async def ucx_pull(layout_name: str, num_blocks: int) -> None:
     pool = KVPoolIO(allocate_pool(shape, getattr(torch, layout.dtype), "cpu").zero_())
     transport = UCXTransport(pool, layout, config=UCXConfig.for_pool(pool))
     await transport.start()
+    return layout, all_params, pool, transport
+
+
+async def ucx_pull(layout_name: str, num_blocks: int) -> None:
+    import torch
+
+    from pdserve.bench.ucx_peer import seeded_pool
+
+    layout, all_params, pool, transport = await _puller(layout_name, num_blocks)
     ids = list(range(num_blocks))
     times = []
     try:
@@ -108,18 +118,9 @@ async def ucx_pull_each(layout_name: str, num_blocks: int) -> None:
     that fails (its exporter killed) must fail cleanly, with this process alive to pull the next."""
     import torch
 
-    from pdserve.bench.transfer import LAYOUTS
     from pdserve.bench.ucx_peer import seeded_pool
-    from pdserve.kvcache.params import HandoffParams
-    from pdserve.kvcache.pool import KVPoolIO, allocate_pool
-    from pdserve.kvcache.transports.ucx import UCXConfig, UCXTransport
 
-    layout = LAYOUTS[layout_name]
-    all_params = [HandoffParams.from_dict(p) for p in json.loads(sys.stdin.readline())]
-    shape = (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    pool = KVPoolIO(allocate_pool(shape, getattr(torch, layout.dtype), "cpu").zero_())
-    transport = UCXTransport(pool, layout, config=UCXConfig.for_pool(pool))
-    await transport.start()
+    layout, all_params, pool, transport = await _puller(layout_name, num_blocks)
     expected = seeded_pool(layout, num_blocks)
     outcomes = []
     try:
