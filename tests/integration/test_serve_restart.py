@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,10 +18,23 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.runtime.redis_server import free_port
-
 pytest.importorskip("ray")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    """A free port where a user's would be: below the kernel's ephemeral range, where Ray's own outgoing
+    connections and randomly bound listeners take ports after the check, and above Ray's worker ports
+    (10002-19999). A port from bind(0) lost that race once in CI."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.Random().sample(range(20000, low), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 20000-{low - 1}")
 
 
 def _serve(port: int, grpc_port: int, log: Path) -> subprocess.Popen:
