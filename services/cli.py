@@ -91,7 +91,7 @@ def _bench(args: argparse.Namespace) -> int:
         sizes = [1, 16] if args.quick else None
         result = run(sizes_mib=sizes, transports=args.transports.split(",") if args.transports else None,
                      same_host_sizes_mib=[16] if args.quick else None, same_host_repeats=3 if args.quick else 7,
-                     overlap_requests=3 if args.quick else 8)
+                     overlap_requests=3 if args.quick else 8, cross_ns_repeats=2 if args.quick else 5)
     elif args.target == "linears":
         from pdserve.bench.linears import run
 
@@ -213,9 +213,10 @@ def _library_parser() -> argparse.ArgumentParser:
                                             "linears", "attention", "structured", "peer", "tp"],
                        help="router, placement, peer: flags of their own (pdserve bench router --help)")
     bench.add_argument("--transports", default=None,
-                       help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh,shm,shm-staged,overlap (shm: "
+                       help="transfer: comma-separated subset of local,redis,ucx,ucx-no-eh,shm,shm-staged,overlap,cross-ns (shm: "
                             "same_host_ratio, the default same-host path against memcpy; shm-staged: its staged lane; "
-                            "overlap: exposed_transfer_fraction from pdserve serve with the KV in parts and whole)")
+                            "overlap: exposed_transfer_fraction from pdserve serve with the KV in parts and whole; cross-ns: "
+                            "cross_ns_ratio, UCX against raw TCP across a veth pair, root only)")
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     bench.add_argument("--seed", type=int, default=0)

@@ -5,8 +5,9 @@ interface (the kernel's veth driver and TCP stack on both sides), not loopback.
 
 Per size, in the same run: UCX (the workers' default config, endpoint error handling on) pulling one
 handoff from an exporter in the prefill namespace into a pool in the decode namespace, and a raw TCP
-stream of the same bytes between the same namespaces (the wire's limit here). `cross_ns_ratio` is UCX's
-best over TCP's best at the largest size. Needs root and iproute2 (`ip netns`); the namespaces and the
+stream of as many bytes, held in memory like the pool's, between the same namespaces (the wire's limit
+here), taken in turn. `cross_ns_ratio` is UCX's best over TCP's best at the largest size; each size also
+gives the median and the range of UCX's speed over TCP's, pair by pair. Needs root and iproute2 (`ip netns`); the namespaces and the
 veth pair are removed afterwards, also on failure.
 """
 
@@ -83,35 +84,53 @@ def _in_ns(ns: str, *args: str, **kwargs) -> subprocess.Popen:
                             env=env, text=True, **kwargs)
 
 
-def tcp_stream_s(ns_a: str, ns_b: str, host_a: str, nbytes: int, repeats: int) -> list[float]:
-    """Seconds per raw TCP stream of `nbytes`, prefill namespace to decode namespace."""
-    port = "47613"
-    recv = _in_ns(ns_a, "tcp-recv", host_a, port, str(nbytes), str(repeats), stdout=subprocess.PIPE)
-    try:
-        if recv.stdout.readline().strip() != "listening":
-            raise RuntimeError("the TCP receiver did not start")
-        send = _in_ns(ns_b, "tcp-send", host_a, port, str(nbytes), str(repeats))
-        if send.wait(300) != 0:
-            raise RuntimeError("the TCP sender failed")
-        return json.loads(recv.stdout.readline())
-    finally:
-        recv.kill()
-        recv.wait()
+def _expect(proc: subprocess.Popen, word: str, what: str) -> None:
+    if proc.stdout.readline().strip() != word:
+        raise RuntimeError(f"the {what} failed")
 
 
-def ucx_pull_s(ns_a: str, ns_b: str, host_a: str, layout: str, num_blocks: int, repeats: int) -> list[float]:
-    """Seconds per UCX pull of one handoff, exporter in the prefill namespace, puller in the decode one."""
+def _step(proc: subprocess.Popen, what: str) -> None:
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    _expect(proc, "done", what)
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def paired_runs(link: VethPair, layout: str, num_blocks: int, nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds per raw TCP stream (decode namespace to prefill's) and per UCX pull of one handoff (prefill's
+    pool to decode's), taken in turn, TCP then UCX, `repeats` times: each pair sees the same machine, so a load that comes and
+    goes moves both. The UCX pull before the first pair pays connection setup and is not timed."""
+    ns_a, ns_b, host_a = link.prefill_ns, link.decode_ns, link.prefill_address
+    tcp_args = (host_a, "47613", str(nbytes), str(repeats))
+    recv = _in_ns(ns_a, "tcp-recv", *tcp_args, stdout=subprocess.PIPE)
     export = _in_ns(ns_a, "ucx-export", host_a, layout, str(num_blocks), str(repeats + 1),
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    send = pull = None
     try:
+        _expect(recv, "listening", "TCP receiver")
         params = export.stdout.readline()
         if not params:
             raise RuntimeError("the UCX exporter did not start")
+        send = _in_ns(ns_b, "tcp-send", *tcp_args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         pull = _in_ns(ns_b, "ucx-pull", layout, str(num_blocks), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        out, _ = pull.communicate(params, timeout=600)
-        if pull.returncode != 0:
+        pull.stdin.write(params)
+        pull.stdin.flush()
+        _expect(send, "ready", "TCP sender")
+        _expect(pull, "ready", "UCX pull")
+        for _ in range(repeats):
+            _step(send, "TCP sender")
+            _step(pull, "UCX pull")
+        pull.stdin.close()
+        ucx = json.loads(pull.stdout.readline() or "null")
+        if pull.wait(120) != 0 or ucx is None:
             raise RuntimeError(f"the UCX pull failed ({pull.returncode})")
-        return json.loads(out)[1:]  # the first pull pays connection setup
+        tcp = json.loads(recv.stdout.readline())
+        return tcp, ucx
     finally:
         export.stdin.close()
         try:
@@ -119,6 +138,13 @@ def ucx_pull_s(ns_a: str, ns_b: str, host_a: str, layout: str, num_blocks: int, 
         except subprocess.TimeoutExpired:
             export.kill()
             export.wait()
+        _stop(*(p for p in (recv, send, pull) if p is not None))
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def run(sizes_mib: list[int], repeats: int, layout: str = "llama-125m") -> dict[str, Any]:
@@ -127,32 +153,35 @@ def run(sizes_mib: list[int], repeats: int, layout: str = "llama-125m") -> dict[
         from pdserve.bench.transfer import LAYOUTS
 
         block_nbytes = LAYOUTS[layout].block_nbytes
-        ns_a, ns_b, host_a = link.prefill_ns, link.decode_ns, link.prefill_address
         for size in sizes_mib:
             num_blocks = max(1, size * MIB // block_nbytes)
             nbytes = num_blocks * block_nbytes
-            tcp = tcp_stream_s(ns_a, ns_b, host_a, nbytes, repeats)
             sent = link.tx_bytes()
-            ucx = ucx_pull_s(ns_a, ns_b, host_a, layout, num_blocks, repeats)
+            tcp, ucx = paired_runs(link, layout, num_blocks, nbytes, repeats)
             # every pull's bytes crossed the veth interface (not CMA or shared memory between the namespaces)
-            wire_bytes_per_pull = (link.tx_bytes() - sent) / (repeats + 1)
+            wire_bytes_per_pull = (link.tx_bytes() - sent) / (repeats + 1)  # TCP's data goes the other way
             tcp_gb_s, ucx_gb_s = nbytes / min(tcp) / 1e9, nbytes / min(ucx) / 1e9
+            paired = [t / u for t, u in zip(tcp, ucx)]  # UCX's speed over TCP's, pair by pair
             rows.append({"bytes": nbytes, "num_blocks": num_blocks, "layout": layout,
                          "tcp_gb_s": round(tcp_gb_s, 3), "ucx_gb_s": round(ucx_gb_s, 3),
                          "ratio": round(ucx_gb_s / tcp_gb_s, 3),
+                         "paired_ratio_median": round(_median(paired), 3),
+                         "paired_ratio_min_max": [round(min(paired), 3), round(max(paired), 3)],
                          "ucx_wire_bytes_per_pull": int(wire_bytes_per_pull),
                          "tcp_s": [round(t, 5) for t in tcp], "ucx_s": [round(t, 5) for t in ucx]})
     return {"bench": "transfer-cross-ns", "link": "veth pair between two network namespaces, MTU 1500",
             "ucx": "workers' default config (endpoint error handling on), pull of one handoff",
+            "method": f"{repeats} pairs, a TCP stream then a UCX pull, in turn; ratio: UCX's best over TCP's best",
             "copies_per_handoff": {"ucx": "1 send from the prefill pool, 1 receive into the decode pool"},
-            "rows": rows, "cross_ns_ratio": rows[-1]["ratio"]}
+            "rows": rows, "cross_ns_ratio": rows[-1]["ratio"],
+            "cross_ns_paired_ratio_median": rows[-1]["paired_ratio_median"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.netns", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--sizes-mib", default="16,64,256")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     try:
         result = run([int(s) for s in args.sizes_mib.split(",")], args.repeats)

@@ -6,10 +6,13 @@
     python -m pdserve.bench.netns_peer ucx-pull LAYOUT NUM_BLOCKS
     python -m pdserve.bench.netns_peer ucx-pull-each LAYOUT NUM_BLOCKS
 
-tcp-recv listens and prints one JSON list of seconds per stream (first byte sent to last byte read); tcp-send
-connects and writes NBYTES per stream. ucx-export advertises HOST in its handoff params, prints them as one
-JSON line and serves until stdin closes; ucx-pull reads that line from stdin, pulls every lease into its own
-pool, checks the bytes, and prints one JSON list of seconds per pull.
+tcp-recv listens and prints one JSON list of seconds per stream (first byte read to last byte read); tcp-send
+prints `ready`, then per stream reads one line from stdin, connects, writes NBYTES and prints `done`.
+ucx-export advertises HOST in its handoff params, prints them as one JSON line and serves until stdin closes;
+ucx-pull reads that line from stdin, pulls the first lease (connection setup), prints `ready`, then pulls each
+further lease when a line arrives on stdin, printing `done`; at the end it checks the bytes and prints one
+JSON list of seconds per timed pull. The controller steps the two senders in turn, so that TCP and UCX
+alternate and see the same machine.
 """
 
 from __future__ import annotations
@@ -47,12 +50,21 @@ def tcp_recv(host: str, port: int, nbytes: int, repeats: int) -> None:
 
 
 def tcp_send(host: str, port: int, nbytes: int, repeats: int) -> None:
-    payload = memoryview(bytes(nbytes))
+    import torch
+
+    # bytes held in memory like a KV pool's: `bytes(nbytes)` would map every page to the kernel's one zero
+    # page, which stays in cache, so the reference's sender would read far fewer bytes than UCX's exporter
+    payload = memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                                       generator=torch.Generator().manual_seed(0)).numpy())
+    print("ready", flush=True)
     for _ in range(repeats):
+        if not sys.stdin.readline():
+            return
         with socket.create_connection((host, port), timeout=60) as conn:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
             conn.sendall(payload)
             conn.recv(1)
+        print("done", flush=True)
 
 
 async def ucx_export(host: str, layout_name: str, num_blocks: int, num_leases: int) -> None:
@@ -99,12 +111,18 @@ async def ucx_pull(layout_name: str, num_blocks: int) -> None:
 
     layout, all_params, pool, transport = await _puller(layout_name, num_blocks)
     ids = list(range(num_blocks))
+    loop = asyncio.get_running_loop()
     times = []
     try:
-        for params in all_params:
+        await transport.pull(all_params[0], ids)  # connection setup: not timed
+        print("ready", flush=True)
+        for params in all_params[1:]:
+            if not await loop.run_in_executor(None, sys.stdin.readline):
+                break
             start = time.perf_counter()
             await transport.pull(params, ids)
             times.append(time.perf_counter() - start)
+            print("done", flush=True)
     finally:
         await transport.close()
     expected = seeded_pool(layout, num_blocks)

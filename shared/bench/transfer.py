@@ -251,14 +251,18 @@ async def _run(sizes_mib: list[int], transports: list[str], repeats: int) -> dic
 
 
 def run(sizes_mib: list[int] | None = None, transports: list[str] | None = None, repeats: int = 3,
-        same_host_sizes_mib: list[int] | None = None, same_host_repeats: int = 7, overlap_requests: int = 8) -> dict:
+        same_host_sizes_mib: list[int] | None = None, same_host_repeats: int = 7, overlap_requests: int = 8,
+        cross_ns_repeats: int = 5) -> dict:
     """`transports`: rows against memcpy or raw Redis (default all); "shm" among them (or by default) adds
     `same_host_ratio` over `same_host_sizes_mib` (default 16, 64, 256 MiB), "shm-staged" the same for the
     staged lane (`same_host_staged_ratio`), "overlap" `exposed_transfer_fraction` and the TTFT with the KV
-    in parts and whole, from `pdserve serve` on the default model (pdserve.bench.overlap, default path)."""
-    names = ["local", "redis", "ucx", "ucx-no-eh", "shm", "shm-staged", "overlap"] if transports is None \
+    in parts and whole, from `pdserve serve` on the default model (pdserve.bench.overlap, default path),
+    "cross-ns" `cross_ns_ratio`: UCX against a raw TCP stream across a veth pair between two network
+    namespaces, at the largest same-host size (pdserve.bench.netns; null, with the reason, where this
+    machine cannot make namespaces)."""
+    names = ["local", "redis", "ucx", "ucx-no-eh", "shm", "shm-staged", "overlap", "cross-ns"] if transports is None \
         else list(transports)
-    rows = [n for n in names if not n.startswith("shm") and n != "overlap"]
+    rows = [n for n in names if not n.startswith("shm") and n not in ("overlap", "cross-ns")]
     result = asyncio.run(_run(sizes_mib or [1, 16, 64, 256], rows, repeats))
     if "overlap" in names:
         from pdserve.bench import overlap
@@ -274,4 +278,13 @@ def run(sizes_mib: list[int] | None = None, transports: list[str] | None = None,
         result["same_host_ratio"] = asyncio.run(same_host_ratio(sizes, same_host_repeats))
     if "shm-staged" in names and same_host_repeats > 0:
         result["same_host_staged_ratio"] = asyncio.run(same_host_ratio(sizes, same_host_repeats, direct_read=False))
+    if "cross-ns" in names and cross_ns_repeats > 0:
+        from pdserve.bench import netns
+
+        try:
+            runs = netns.run([max(sizes)], cross_ns_repeats)
+        except netns.NetnsUnavailable as exc:
+            result["cross_ns_ratio"], result["cross_ns"] = None, {"skipped": str(exc)}
+        else:
+            result["cross_ns_ratio"], result["cross_ns"] = runs["cross_ns_ratio"], runs
     return result
