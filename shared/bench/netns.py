@@ -3,12 +3,13 @@ interface (the kernel's veth driver and TCP stack on both sides), not loopback.
 
     python -m pdserve.bench.netns --json [--sizes-mib 16,64,256] [--repeats 3]
 
-Per size, in the same run: UCX (the workers' default config, endpoint error handling on) pulling one
-handoff from an exporter in the prefill namespace into a pool in the decode namespace, and a raw TCP
-stream of as many bytes, held in memory like the pool's, between the same namespaces (the wire's limit
-here), taken in turn. `cross_ns_ratio` is UCX's best over TCP's best at the largest size; each size also
-gives the median and the range of UCX's speed over TCP's, pair by pair. Needs root and iproute2 (`ip netns`); the namespaces and the
-veth pair are removed afterwards, also on failure.
+Per size, in the same run and taken in turn: UCX (the workers' default config, endpoint error handling on)
+pulling one handoff from an exporter in the prefill namespace into a pool in the decode namespace; a raw
+TCP stream of as many bytes, held in memory like the pool's, between the same namespaces (the wire's limit
+here); and one ucxx message of as many bytes with the same UCX settings (UCX without pdserve's protocol).
+`cross_ns_ratio` is UCX's best over TCP's best at the largest size; each size also gives the median and
+the range of UCX's speed over TCP's, round by round. Needs root and iproute2 (`ip netns`); the namespaces
+and the veth pair are removed afterwards, also on failure.
 """
 
 from __future__ import annotations
@@ -101,44 +102,50 @@ def _stop(*procs: subprocess.Popen) -> None:
         proc.wait()
 
 
-def paired_runs(link: VethPair, layout: str, num_blocks: int, nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
-    """Seconds per raw TCP stream (decode namespace to prefill's) and per UCX pull of one handoff (prefill's
-    pool to decode's), taken in turn, TCP then UCX, `repeats` times: each pair sees the same machine, so a load that comes and
-    goes moves both. The UCX pull before the first pair pays connection setup and is not timed."""
+def paired_runs(link: VethPair, layout: str, num_blocks: int, nbytes: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds per raw TCP stream (decode namespace to prefill's), per raw ucxx message (prefill to decode,
+    the workers' UCX settings, no pdserve protocol) and per UCX pull of one handoff (prefill's pool to
+    decode's), taken in turn `repeats` times: each round sees the same machine, so a load that comes and
+    goes moves all three. The first ucxx message and pull pay connection setup and are not timed."""
     ns_a, ns_b, host_a = link.prefill_ns, link.decode_ns, link.prefill_address
     tcp_args = (host_a, "47613", str(nbytes), str(repeats))
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
     recv = _in_ns(ns_a, "tcp-recv", *tcp_args, stdout=subprocess.PIPE)
-    export = _in_ns(ns_a, "ucx-export", host_a, layout, str(num_blocks), str(repeats + 1),
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    send = pull = None
+    export = _in_ns(ns_a, "ucx-export", host_a, layout, str(num_blocks), str(repeats + 1), **pipes)
+    ucxx_send = _in_ns(ns_a, "ucxx-send", str(nbytes), **pipes)
+    steppers: dict[str, subprocess.Popen] = {}
     try:
         _expect(recv, "listening", "TCP receiver")
-        params = export.stdout.readline()
-        if not params:
+        params, ucxx_port = export.stdout.readline(), ucxx_send.stdout.readline().strip()
+        if not params or not ucxx_port.isdigit():
             raise RuntimeError("the UCX exporter did not start")
-        send = _in_ns(ns_b, "tcp-send", *tcp_args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        pull = _in_ns(ns_b, "ucx-pull", layout, str(num_blocks), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        pull.stdin.write(params)
-        pull.stdin.flush()
-        _expect(send, "ready", "TCP sender")
-        _expect(pull, "ready", "UCX pull")
+        steppers["tcp"] = _in_ns(ns_b, "tcp-send", *tcp_args, **pipes)
+        steppers["ucxx"] = _in_ns(ns_b, "ucxx-recv", host_a, ucxx_port, str(nbytes), **pipes)
+        steppers["ucx"] = _in_ns(ns_b, "ucx-pull", layout, str(num_blocks), **pipes)
+        steppers["ucx"].stdin.write(params)
+        steppers["ucx"].stdin.flush()
+        for name, proc in steppers.items():
+            _expect(proc, "ready", name)
         for _ in range(repeats):
-            _step(send, "TCP sender")
-            _step(pull, "UCX pull")
-        pull.stdin.close()
-        ucx = json.loads(pull.stdout.readline() or "null")
-        if pull.wait(120) != 0 or ucx is None:
-            raise RuntimeError(f"the UCX pull failed ({pull.returncode})")
-        tcp = json.loads(recv.stdout.readline())
-        return tcp, ucx
+            for name, proc in steppers.items():
+                _step(proc, name)
+        times = {"tcp": json.loads(recv.stdout.readline())}
+        for name in ("ucxx", "ucx"):
+            proc = steppers[name]
+            proc.stdin.close()
+            times[name] = json.loads(proc.stdout.readline() or "null")
+            if proc.wait(120) != 0 or times[name] is None:
+                raise RuntimeError(f"the {name} receiver failed ({proc.returncode})")
+        return times
     finally:
-        export.stdin.close()
-        try:
-            export.wait(30)
-        except subprocess.TimeoutExpired:
-            export.kill()
-            export.wait()
-        _stop(*(p for p in (recv, send, pull) if p is not None))
+        for proc in (export, ucxx_send):
+            proc.stdin.close()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        _stop(recv, *steppers.values())
 
 
 def _median(values: list[float]) -> float:
@@ -157,21 +164,27 @@ def run(sizes_mib: list[int], repeats: int, layout: str = "llama-125m") -> dict[
             num_blocks = max(1, size * MIB // block_nbytes)
             nbytes = num_blocks * block_nbytes
             sent = link.tx_bytes()
-            tcp, ucx = paired_runs(link, layout, num_blocks, nbytes, repeats)
-            # every pull's bytes crossed the veth interface (not CMA or shared memory between the namespaces)
-            wire_bytes_per_pull = (link.tx_bytes() - sent) / (repeats + 1)  # TCP's data goes the other way
-            tcp_gb_s, ucx_gb_s = nbytes / min(tcp) / 1e9, nbytes / min(ucx) / 1e9
-            paired = [t / u for t, u in zip(tcp, ucx)]  # UCX's speed over TCP's, pair by pair
+            times = paired_runs(link, layout, num_blocks, nbytes, repeats)
+            tcp, ucxx, ucx = times["tcp"], times["ucxx"], times["ucx"]
+            # the pulls' and ucxx messages' bytes crossed the veth interface (not CMA or shared memory between
+            # the namespaces); TCP's data goes the other way
+            wire_bytes_per_pull = (link.tx_bytes() - sent - (repeats + 1) * nbytes) / (repeats + 1)
+            tcp_gb_s, ucxx_gb_s, ucx_gb_s = (nbytes / min(t) / 1e9 for t in (tcp, ucxx, ucx))
+            paired = [t / u for t, u in zip(tcp, ucx)]  # UCX's speed over TCP's, round by round
             rows.append({"bytes": nbytes, "num_blocks": num_blocks, "layout": layout,
                          "tcp_gb_s": round(tcp_gb_s, 3), "ucx_gb_s": round(ucx_gb_s, 3),
                          "ratio": round(ucx_gb_s / tcp_gb_s, 3),
                          "paired_ratio_median": round(_median(paired), 3),
                          "paired_ratio_min_max": [round(min(paired), 3), round(max(paired), 3)],
+                         "ucxx_gb_s": round(ucxx_gb_s, 3), "ucxx_over_tcp": round(ucxx_gb_s / tcp_gb_s, 3),
+                         "ucx_over_ucxx": round(ucx_gb_s / ucxx_gb_s, 3),
                          "ucx_wire_bytes_per_pull": int(wire_bytes_per_pull),
-                         "tcp_s": [round(t, 5) for t in tcp], "ucx_s": [round(t, 5) for t in ucx]})
+                         "tcp_s": [round(t, 5) for t in tcp], "ucxx_s": [round(t, 5) for t in ucxx],
+                         "ucx_s": [round(t, 5) for t in ucx]})
     return {"bench": "transfer-cross-ns", "link": "veth pair between two network namespaces, MTU 1500",
             "ucx": "workers' default config (endpoint error handling on), pull of one handoff",
-            "method": f"{repeats} pairs, a TCP stream then a UCX pull, in turn; ratio: UCX's best over TCP's best",
+            "method": f"{repeats} rounds of a TCP stream, a raw ucxx message and a UCX pull, in turn; ratio: UCX's "
+                      "best over TCP's best; ucxx: UCX alone (same settings, one message, no pdserve protocol)",
             "copies_per_handoff": {"ucx": "1 send from the prefill pool, 1 receive into the decode pool"},
             "rows": rows, "cross_ns_ratio": rows[-1]["ratio"],
             "cross_ns_paired_ratio_median": rows[-1]["paired_ratio_median"]}

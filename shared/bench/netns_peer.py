@@ -5,13 +5,17 @@
     python -m pdserve.bench.netns_peer ucx-export HOST LAYOUT NUM_BLOCKS NUM_LEASES
     python -m pdserve.bench.netns_peer ucx-pull LAYOUT NUM_BLOCKS
     python -m pdserve.bench.netns_peer ucx-pull-each LAYOUT NUM_BLOCKS
+    python -m pdserve.bench.netns_peer ucxx-send NBYTES
+    python -m pdserve.bench.netns_peer ucxx-recv HOST PORT NBYTES
 
 tcp-recv listens and prints one JSON list of seconds per stream (first byte read to last byte read); tcp-send
 prints `ready`, then per stream reads one line from stdin, connects, writes NBYTES and prints `done`.
 ucx-export advertises HOST in its handoff params, prints them as one JSON line and serves until stdin closes;
 ucx-pull reads that line from stdin, pulls the first lease (connection setup), prints `ready`, then pulls each
 further lease when a line arrives on stdin, printing `done`; at the end it checks the bytes and prints one
-JSON list of seconds per timed pull. The controller steps the two senders in turn, so that TCP and UCX
+JSON list of seconds per timed pull. ucxx-send and ucxx-recv are UCX without pdserve: with the same UCX
+settings, ucxx-send listens, prints its port, and answers each one-byte request with one message of NBYTES;
+ucxx-recv steps like ucx-pull (one untimed message first), receiving into memory of its own. The controller steps the two senders in turn, so that TCP and UCX
 alternate and see the same machine.
 """
 
@@ -50,12 +54,7 @@ def tcp_recv(host: str, port: int, nbytes: int, repeats: int) -> None:
 
 
 def tcp_send(host: str, port: int, nbytes: int, repeats: int) -> None:
-    import torch
-
-    # bytes held in memory like a KV pool's: `bytes(nbytes)` would map every page to the kernel's one zero
-    # page, which stays in cache, so the reference's sender would read far fewer bytes than UCX's exporter
-    payload = memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
-                                       generator=torch.Generator().manual_seed(0)).numpy())
+    payload = memoryview(_resident(nbytes))
     print("ready", flush=True)
     for _ in range(repeats):
         if not sys.stdin.readline():
@@ -158,6 +157,78 @@ async def ucx_pull_each(layout_name: str, num_blocks: int) -> None:
     print(json.dumps(outcomes), flush=True)
 
 
+class _RawUCXX:
+    """ucxx with the workers' default UCX settings (endpoint error handling on), as a UCXTransport sets them,
+    on the process's shared context (released on exit, so that ucxx's threads end)."""
+
+    def __enter__(self):
+        from pdserve.kvcache.transports.ucx_env import UCXConfig, apply_ucx_env, ucx_context
+
+        apply_ucx_env(UCXConfig())
+        return ucx_context.acquire(self)
+
+    def __exit__(self, *exc) -> None:
+        from pdserve.kvcache.transports.ucx_env import ucx_context
+
+        ucx_context.release(self)
+
+
+def _resident(nbytes: int):
+    """Bytes held in memory like a KV pool's: `bytes(nbytes)` would map every page to the kernel's one zero
+    page, which stays in cache, so a reference sender would read far fewer bytes than UCX's exporter."""
+    import torch
+
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy()
+
+
+async def ucxx_send(nbytes: int) -> None:
+    with _RawUCXX() as ucxx:
+        await _ucxx_serve(ucxx, _resident(nbytes))
+
+
+async def _ucxx_serve(ucxx, payload) -> None:
+    endpoints = []
+
+    async def serve(ep) -> None:
+        endpoints.append(ep)
+        request = bytearray(1)
+        try:
+            while True:
+                await ep.recv(request)
+                await ep.send(payload)
+        except ucxx.exceptions.UCXError:  # the receiver closed
+            pass
+
+    listener = ucxx.create_listener(serve, port=0)
+    print(listener.port, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    for ep in endpoints:
+        ep.abort()
+    listener.close()
+
+
+async def ucxx_recv(host: str, port: int, nbytes: int) -> None:
+    with _RawUCXX() as ucxx:
+        await _ucxx_receive(ucxx, host, port, _resident(nbytes))  # pages written once before timing
+
+
+async def _ucxx_receive(ucxx, host: str, port: int, buffer) -> None:
+    loop = asyncio.get_running_loop()
+    ep = await ucxx.create_endpoint(host, port, endpoint_error_handling=True)
+    await ep.send(bytearray(1))
+    await ep.recv(buffer)
+    print("ready", flush=True)
+    times = []
+    while await loop.run_in_executor(None, sys.stdin.readline):
+        start = time.perf_counter()
+        await ep.send(bytearray(1))
+        await ep.recv(buffer)
+        times.append(time.perf_counter() - start)
+        print("done", flush=True)
+    ep.abort()
+    print(json.dumps(times), flush=True)
+
+
 def main(argv: list[str]) -> None:
     role, args = argv[0], argv[1:]
     if role == "tcp-recv":
@@ -168,6 +239,10 @@ def main(argv: list[str]) -> None:
         asyncio.run(ucx_export(args[0], args[1], int(args[2]), int(args[3])))
     elif role == "ucx-pull":
         asyncio.run(ucx_pull(args[0], int(args[1])))
+    elif role == "ucxx-send":
+        asyncio.run(ucxx_send(int(args[0])))
+    elif role == "ucxx-recv":
+        asyncio.run(ucxx_recv(args[0], int(args[1]), int(args[2])))
     elif role == "ucx-pull-each":
         asyncio.run(ucx_pull_each(args[0], int(args[1])))
     else:

@@ -34,7 +34,8 @@ def test_ucx_handoff_crosses_the_veth_link_intact_and_the_namespaces_are_removed
     for row in result["rows"]:
         assert row["ucx_gb_s"] > 0 and row["tcp_gb_s"] > 0
         assert row["ucx_wire_bytes_per_pull"] >= row["bytes"]  # over the interface, not CMA or shared memory
-        assert len(row["tcp_s"]) == len(row["ucx_s"]) == 1  # one pair per repeat, the setup pull untimed
+        assert len(row["tcp_s"]) == len(row["ucxx_s"]) == len(row["ucx_s"]) == 1  # one round per repeat, setup untimed
+        assert row["ucxx_gb_s"] > 0 and row["ucx_over_ucxx"] > 0
         low, high = row["paired_ratio_min_max"]
         assert low <= row["paired_ratio_median"] <= high
     assert result["cross_ns_ratio"] == result["rows"][-1]["ratio"]
