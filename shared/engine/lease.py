@@ -25,7 +25,8 @@ class LeaseTable:
 
     @property
     def num_blocks(self) -> int:
-        return sum(len(lease.block_ids) for lease in self.leases.values())
+        """Distinct blocks held: a KV part's lease and its request's final lease share blocks."""
+        return len({b for lease in self.leases.values() for b in lease.block_ids})
 
     def grant(self, block_ids: list[int], num_tokens: int, now: float | None = None) -> Lease:
         now = time.monotonic() if now is None else now

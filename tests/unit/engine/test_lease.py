@@ -27,3 +27,12 @@ def test_expired_leases_leave_the_table_and_the_age():
     assert table.oldest_age_s(now=12.0) == pytest.approx(4.0)
     with pytest.raises(KeyError, match="unknown or expired"):
         table.take(gone[0].lease_id)
+
+
+def test_blocks_shared_by_a_part_lease_and_the_final_lease_count_once():
+    table = LeaseTable(ttl_s=30.0)
+    part = table.grant([4, 5], 32, now=0.0)  # a KV part sent while prefill ran
+    table.grant([4, 5, 6], 40, now=1.0)  # the request's final handoff leases every block again
+    assert table.num_blocks == 3
+    table.take(part.lease_id)
+    assert table.num_blocks == 3
