@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -170,8 +172,18 @@ def start_engine(config: WorkerConfig, role: str) -> AsyncLLMEngine:
     from pdserve.engine.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine.from_config(config.engine_config())
+    engine.on_broken = functools.partial(_exit_broken, role)
     print(f"{role} replica: {engine.engine.served_weights}", flush=True)
     return engine
+
+
+def _exit_broken(role: str, exc: BaseException) -> None:
+    """A replica whose engine cannot step again (a tensor-parallel rank lost) exits at once, as if killed:
+    Serve replaces it, and the router moves its streams to a live replica as from any dead one. Failing the
+    streams instead would end them with an error."""
+    print(f"{role} replica: {exc}; exiting so that the replica is replaced and its streams move",
+          file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def build_transport(config: WorkerConfig, engine: AsyncLLMEngine) -> KVTransport:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,6 +28,9 @@ class AsyncLLMEngine:
         self._loop_task: asyncio.Task | None = None
         # Refreshed under the lock between steps: reading the engine while a step runs is a data race.
         self._stats = engine.stats()
+        # Called, before any stream hears of it, when a step leaves the engine unable to step again (a
+        # tensor-parallel rank lost); a serving replica exits, so that it is replaced and its streams move.
+        self.on_broken: Callable[[BaseException], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -153,6 +156,8 @@ class AsyncLLMEngine:
                 try:
                     outputs = await loop.run_in_executor(self._executor, self.engine.step)
                 except Exception as exc:  # fail every in-flight request rather than hang them
+                    if self.on_broken is not None and self.engine.is_broken:
+                        self.on_broken(exc)
                     for queue in self._queues.values():
                         queue.put_nowait(exc)
                     self._queues.clear()

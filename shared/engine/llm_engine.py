@@ -178,6 +178,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def is_broken(self) -> bool:
+        """A tensor-parallel rank died, hung or failed: this engine cannot step again."""
+        return self.tensor_parallel is not None and self.tensor_parallel.failed is not None
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker ranks, if any (idempotent; also done at interpreter exit)."""
         if self.tensor_parallel is not None:

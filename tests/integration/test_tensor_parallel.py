@@ -140,3 +140,41 @@ def _wait_gone(pid: int, timeout_s: float) -> None:
         time.sleep(0.1)
     os.kill(pid, signal.SIGKILL)
     raise AssertionError(f"worker {pid} still running {timeout_s} s after its driver died")
+
+
+def test_a_serving_engine_hears_of_a_lost_rank_before_its_streams_do():
+    """AsyncLLMEngine.on_broken (a serving replica exits there, so that its streams move rather than fail)
+    is called once the engine cannot step again, before any stream is failed; without it, streams fail."""
+    import asyncio
+
+    from pdserve.engine.async_engine import AsyncLLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.outputs import GenerationRequest
+
+    engine = AsyncLLMEngine(LLMEngine(engine_config("tiny", 2)))
+    seen: list[tuple[str, bool, bool]] = []
+    tasks: list[asyncio.Task] = []
+
+    async def stream(request_id: str) -> None:
+        async for _ in engine.generate(GenerationRequest(request_id, (1, 2, 3), GREEDY)):
+            pass
+
+    async def run() -> None:
+        await stream("warm")
+        worker = engine.engine.tensor_parallel.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+        engine.on_broken = lambda exc: seen.append((type(exc).__name__, engine.engine.is_broken, tasks[0].done()))
+        tasks.append(asyncio.create_task(stream("lost")))
+        with pytest.raises(TensorParallelError):
+            await tasks[0]
+        assert seen == [("TensorParallelError", True, False)]  # heard while the stream still waited
+        engine.on_broken = None
+        with pytest.raises(TensorParallelError):
+            await stream("after")
+        await engine.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.engine.shutdown()
