@@ -146,7 +146,7 @@ def _routed(
                     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
                         ones = [steps.wrap("direct", direct_one(engine, max_tokens), engine_steps(engine))] + [
                             steps.wrap(name, http_one(client, urls[name], max_tokens, served_model_name(model)),
-                                       replica_steps(serve.get_deployment_handle("decode", app_name=name)))
+                                       replica_steps(_decode_handle(serve, name)))
                             for name, _, _ in group]
                         if isolated:  # each path alone on the machine, one after another
                             return [(await levels(o, prompts, concurrencies, num_requests, steps=steps))[0]
@@ -176,6 +176,16 @@ def _routed(
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _decode_handle(serve, app: str):
+    """The app's decode deployment, its router on Serve's own loop thread whatever RAY_SERVE_RUN_ROUTER_IN_
+    SEPARATE_LOOP says (pdserve serve sets it to 0 for its replicas): a router bound to this bench's
+    `asyncio.run` loop would outlive the loop, and `serve.shutdown()` would then fail on the closed loop."""
+    handle = serve.get_deployment_handle("decode", app_name=app)
+    if not handle.is_initialized:
+        handle._init(_run_router_in_separate_loop=True)
+    return handle
 
 
 def run(
