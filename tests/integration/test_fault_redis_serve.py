@@ -20,7 +20,7 @@ pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from pdserve.runtime.redis_server import free_port  # noqa: E402
+from pdserve.runtime.ports import listen_port  # noqa: E402
 
 PROMPT = "A Redis outage must cost a disaggregated deployment its cache tier and nothing else. " * 4
 HEALTH_TIMEOUT_S = 5.0  # a hang fails the test; the latencies themselves are printed, not asserted
@@ -89,7 +89,7 @@ class Traffic(threading.Thread):
 
 
 def test_redis_killed_under_pdserve_serve(tmp_path):
-    port = free_port()
+    port = listen_port()
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.services.cli", "serve", "--port", str(port),

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.runtime.redis_server import RedisServer, free_port
+from pdserve.runtime.ports import listen_port
+from pdserve.runtime.redis_server import RedisServer
 
 
 def _load_beside(module: str):
@@ -143,7 +144,7 @@ def live(tmp_path_factory):
     """(pdserve serve process, its HTTP port, its Redis, a Prometheus scraping it), after light traffic."""
     tmp = tmp_path_factory.mktemp("prometheus-live")
     redis = RedisServer(workdir=tmp, password="prom-live-test").start()
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = listen_port(), listen_port()
     log_path = tmp / "serve.log"
     log = open(log_path, "w")  # noqa: SIM115
     serve = subprocess.Popen(

@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from pdserve.runtime.redis_server import free_port
+from pdserve.runtime.ports import listen_port
 
 pytest.importorskip("ray")
 
@@ -65,7 +65,7 @@ def _serving(log_path, *flags: str):
 
 
 def test_pdserve_serve_streams_a_completion_and_shuts_down(tmp_path):
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = listen_port(), listen_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.services.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
@@ -110,7 +110,7 @@ def test_a_config_that_can_never_be_scheduled_fails_at_once_with_advice(tmp_path
 
     replicas = str(4 * multiprocessing.cpu_count() + 4)  # more model replicas than this machine can place
     done = subprocess.run(  # the timeout: it must end on its own, never wait for CPUs that never come
-        [sys.executable, "-m", "pdserve.services.cli", "serve", "--model", "tiny", "--port", str(free_port()),
+        [sys.executable, "-m", "pdserve.services.cli", "serve", "--model", "tiny", "--port", str(listen_port()),
          "--grpc-port", "0", "--prefill-replicas", replicas, "--decode-replicas", replicas],
         capture_output=True, text=True, timeout=120,
     )
@@ -124,7 +124,7 @@ def test_sigterm_stops_pdserve_serve_like_ctrl_c_and_leaves_no_process(tmp_path)
     processes and exits at once (no Serve shutdown, Ray's agents left behind); pdserve must keep its own."""
     import psutil
 
-    port = free_port()
+    port = listen_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.services.cli", "serve", "--port", str(port), "--grpc-port", "0",
@@ -162,7 +162,7 @@ def test_a_redis_url_in_the_config_file_is_used_and_no_local_redis_starts(tmp_pa
     server (transport redis) and no Redis of pdserve's own is started beside it."""
     import redis
 
-    port = free_port()
+    port = listen_port()
     (tmp_path / "system.yaml").write_text(json.dumps({"model": "tiny", "transport": "redis",
                                                       "redis_url": redis_server.url}))
     client = redis.Redis.from_url(redis_server.url)

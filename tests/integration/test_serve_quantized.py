@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.runtime.redis_server import free_port
+from pdserve.runtime.ports import listen_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_serve_cli import _serving  # noqa: E402
@@ -19,7 +19,7 @@ pytest.importorskip("ray")
 
 
 def test_serve_quantization_auto_answers_and_says_what_it_serves(tmp_path):
-    port = free_port()
+    port = listen_port()
     log = tmp_path / "serve.log"
     with _serving(log, "--port", str(port), "--grpc-port", "0", "--quantization", "auto"):
         body = json.dumps({"model": "smollm2-135m-instruct", "max_tokens": 12, "temperature": 0,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -18,23 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.runtime.ports import listen_port
+
 pytest.importorskip("ray")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def free_port() -> int:
-    """A free port where a user's would be: below the kernel's ephemeral range, where Ray's own outgoing
-    connections and randomly bound listeners take ports after the check, and above Ray's worker ports
-    (10002-19999). A port from bind(0) lost that race once in CI."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.Random().sample(range(20000, low), 200):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in 20000-{low - 1}")
 
 
 def _serve(port: int, grpc_port: int, log: Path) -> subprocess.Popen:
@@ -78,7 +64,7 @@ def _stop(proc: subprocess.Popen) -> int:
 
 @pytest.mark.parametrize("flag", ["--port", "--grpc-port"])
 def test_a_port_another_program_holds_is_refused_naming_it(tmp_path, flag):
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = listen_port(), listen_port()
     taken = port if flag == "--port" else grpc_port
     with socket.socket() as other:
         other.bind(("127.0.0.1", taken))
@@ -95,7 +81,7 @@ def test_a_port_another_program_holds_is_refused_naming_it(tmp_path, flag):
 
 
 def test_a_restart_right_after_a_stop_serves(tmp_path):
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = listen_port(), listen_port()
     first = _serve(port, grpc_port, tmp_path / "first.log")
     try:
         _healthy(first, port, tmp_path / "first.log")
@@ -115,7 +101,7 @@ def test_a_restart_right_after_a_stop_serves(tmp_path):
 def test_a_port_taken_after_the_check_is_reported_as_the_router_failing_to_bind(tmp_path):
     """A program that takes the port between the check at start and the router replica's bind: Serve only
     says the router deployment failed; pdserve serve says which port, and who holds it."""
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = listen_port(), listen_port()
     log = tmp_path / "serve.log"
     proc = _serve(port, grpc_port, log)
     with socket.socket() as other:

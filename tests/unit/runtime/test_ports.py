@@ -88,3 +88,17 @@ def test_holder_names_the_listening_process():
     with _listener(port):
         name = holder(port)
     assert name is not None and name.startswith(f"pid {os.getpid()} (")
+
+
+def test_listen_port_is_free_and_below_the_ephemeral_range():
+    from pathlib import Path
+
+    from pdserve.runtime.ports import RAY_WORKER_PORTS, listen_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {listen_port() for _ in range(20)}
+    assert len(ports) > 1  # not one fixed port: concurrent servers do not collide
+    for port in ports:
+        assert port_state(HOST, port) == FREE
+        if low > RAY_WORKER_PORTS.stop:
+            assert RAY_WORKER_PORTS.stop <= port < low
