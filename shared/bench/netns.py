@@ -96,6 +96,16 @@ def _step(proc: subprocess.Popen, what: str) -> None:
     _expect(proc, "done", what)
 
 
+def end_server(proc: subprocess.Popen) -> None:
+    """A peer that serves until its stdin closes: close it, then kill the peer if it has not exited in 30 s."""
+    proc.stdin.close()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _stop(*procs: subprocess.Popen) -> None:
     for proc in procs:
         proc.kill()
@@ -139,12 +149,7 @@ def paired_runs(link: VethPair, layout: str, num_blocks: int, nbytes: int, repea
         return times
     finally:
         for proc in (export, ucxx_send):
-            proc.stdin.close()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            end_server(proc)
         _stop(recv, *steppers.values())
 
 

@@ -69,13 +69,10 @@ def _kill_when_on_the_wire(link, victim: subprocess.Popen, nbytes: int) -> None:
 
 
 def _stop(proc: subprocess.Popen) -> None:
+    from pdserve.bench.netns import end_server
+
     if proc.poll() is None:
-        proc.stdin.close()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        end_server(proc)
 
 
 def test_an_exporter_killed_mid_pull_fails_that_pull_and_the_puller_pulls_the_next(link):
