@@ -69,19 +69,18 @@ class SystemConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _tensor_parallel_roles_hand_no_kv(self) -> SystemConfig:
-        """A tensor-parallel replica's ranks each pool only their own heads, and no transport moves per-rank
-        head ranges yet: a role with tensor_parallel_size > 1 must neither hand KV off nor pull it in."""
-        roles = ("prefill", "decode") if self.mode == "disaggregated" else ("decode",)
-        sizes = {role: getattr(self, role).get("tensor_parallel_size", 1) for role in roles}
-        named = ", ".join(f"{role}.tensor_parallel_size {n}" for role, n in sizes.items() if n > 1)
-        if named and self.mode == "disaggregated":
-            raise ValueError(f"{named}: disaggregated mode hands every prompt's KV from prefill to decode, and KV "
-                             "handoff between tensor-parallel replicas is not implemented yet (each rank's pool "
-                             "holds only its own heads); use mode colocated (decode prefills itself) or 1")
-        if named and self.transport == "redis":
-            raise ValueError(f"{named}: the redis transport pulls cached prefixes from the Redis tier into the pool "
-                             "as whole blocks, and each rank's pool holds only its own heads; use transport ucx or 1")
+    def _tensor_parallel_roles_pool_whole_heads(self) -> SystemConfig:
+        """A tensor-parallel replica hands KV on in the whole model's layout, gathered from and scattered to
+        its ranks head by head (pdserve.engine.tp_kv): a quantized pool packs scales beside the heads and
+        cannot be split so. A colocated app with KV handoff off needs none of it."""
+        handing = self.mode == "disaggregated" or self.transport == "redis"
+        for role in ("prefill", "decode") if handing else ():
+            overrides = getattr(self, role)
+            kv_dtype = overrides.get("kv_cache_dtype", self.kv_cache_dtype)
+            if overrides.get("tensor_parallel_size", 1) > 1 and kv_dtype != "auto":
+                raise ValueError(f"{role}.tensor_parallel_size {overrides['tensor_parallel_size']} with kv_cache_dtype "
+                                 f"{kv_dtype}: a tensor-parallel replica hands KV on head by head, and a quantized "
+                                 "KV pool cannot be split by head; use kv_cache_dtype auto")
         return self
 
     @model_validator(mode="after")
@@ -106,7 +105,8 @@ class SystemConfig(BaseModel):
 
     def worker(self, role: Literal["prefill", "decode"]) -> WorkerConfig:
         base: dict[str, Any] = {"model": self.model, "transport": self.transport, "tracing_env": self.tracing_env,
-                                "kv_cache_dtype": self.kv_cache_dtype}
+                                "kv_cache_dtype": self.kv_cache_dtype,
+                                "kv_handoff": self.mode == "disaggregated" or self.transport == "redis"}
         if self.redis_url:
             base["redis_url"] = self.redis_url
         if self.transport == "redis" and not self.redis_url:

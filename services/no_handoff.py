@@ -1,14 +1,13 @@
-"""The KV transport of a tensor-parallel replica: none. Each rank's pool holds only its own heads and no
-transport moves per-rank head ranges yet, so nothing is exported or pulled; SystemConfig keeps such a
-replica out of every handoff (colocated mode, no Redis prefix pulls), and a call that comes anyway fails
-as a transfer does (the importer falls back to a local prefill)."""
+"""The KV transport of a tensor-parallel replica that hands no KV (`WorkerConfig.kv_handoff` false: a
+colocated app without the Redis tier): none, so that it keeps no whole-model pool for handoffs. A call
+that comes anyway fails as a transfer does (the importer falls back to a local prefill)."""
 
 from __future__ import annotations
 
 from pdserve.kvcache.params import HandoffParams
 from pdserve.kvcache.transports.base import KVTransferError, KVTransport
 
-REASON = "KV handoff between tensor-parallel replicas is not implemented yet (each rank pools only its own heads)"
+REASON = "this replica hands no KV (kv_handoff false: a colocated app without the Redis tier)"
 
 
 class NoHandoff(KVTransport):

@@ -72,6 +72,9 @@ class WorkerConfig(BaseModel):
     # ucx transport: a decode replica on the prefill replica's node (same kernel, network namespace and user)
     # pulls through shared memory instead (pdserve.kvcache.transports.shm); off: always UCX
     kv_same_host: bool = True
+    # false: no KV moves in or out of this replica (a colocated app without the Redis tier), so a
+    # tensor-parallel one keeps no whole-model pool for handoffs (pdserve.engine.tp_kv)
+    kv_handoff: bool = True
     num_replicas: int = Field(1, ge=1)
     # Ray CPUs per rank and its torch thread count: a replica asks Ray for num_cpus x tensor_parallel_size
     num_cpus: float = Field(1.0, ge=0)
@@ -188,15 +191,16 @@ def _exit_broken(role: str, exc: BaseException) -> None:
 
 def build_transport(config: WorkerConfig, engine: AsyncLLMEngine) -> KVTransport:
     from pdserve.engine.handoff import engine_layout, engine_pool
+    from pdserve.kvcache.pool import KVPoolIO
     from pdserve.kvcache.transports import create_transport
     from pdserve.kvcache.transports.ucx_env import UCXConfig
 
-    pool, layout = engine_pool(engine), engine_layout(engine)
     release = engine.release_lease_quietly
-    if config.tensor_parallel_size > 1:  # the driver's pool holds only rank 0's heads: nothing moves in or out
+    if config.tensor_parallel_size > 1 and not config.kv_handoff:
         from pdserve.services.no_handoff import NoHandoff
 
-        return NoHandoff(pool, layout, release)
+        return NoHandoff(KVPoolIO(engine.engine.runner.kv_pool), engine_layout(engine), release)
+    pool, layout = engine_pool(engine), engine_layout(engine)
     if config.transport == "redis":
         return create_transport("redis", pool, layout, release, url=config.redis_url, ttl_s=int(config.lease_ttl_s) * 20)
     ucx = UCXConfig.for_pool(pool, endpoint_error_handling=config.ucx_endpoint_error_handling)

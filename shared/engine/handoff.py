@@ -28,7 +28,7 @@ def engine_layout(engine: AsyncLLMEngine) -> KVLayout:
 
 
 def engine_pool(engine: AsyncLLMEngine) -> KVPoolIO:
-    return KVPoolIO(engine.engine.runner.kv_pool)
+    return KVPoolIO(engine.engine.handoff_pool)
 
 
 @dataclass(frozen=True)

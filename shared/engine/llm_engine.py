@@ -22,6 +22,7 @@ from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec import Drafter
 from pdserve.engine.spec.verify import Verified, verify
 from pdserve.engine.tp_group import TensorParallelModel
+from pdserve.engine.tp_kv import ShardedKV
 from pdserve.models.config import load_model_config
 from pdserve.models.loader import load_model
 from pdserve.models.resolve import resolve_model_path
@@ -76,6 +77,9 @@ class LLMEngine:
             model, runner_config, block_size, num_blocks, config.torch_dtype, config.device,
             attention_override=config.attention_backend, kv_cache_dtype=config.cache.kv_cache_dtype,
         )
+        # a TP replica hands KV on in the whole model's layout (pdserve.engine.tp_kv); quantized pools cannot
+        self.sharded_kv = (ShardedKV(self.tensor_parallel, self.runner.kv_pool, self.model_config)
+                           if self.tensor_parallel is not None and self.runner.kv_pool.dim() == 6 else None)
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         drafter = None if config.speculative is None else Drafter.from_config(config.speculative, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, drafter)
@@ -100,8 +104,9 @@ class LLMEngine:
     def add_request(self, request: GenerationRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if self.tensor_parallel is not None and (request.prefill_only or request.adopt_lease_id is not None):
-            raise ValueError("KV handoff is not supported with tensor_parallel_size > 1 yet")
+        if self.tensor_parallel is not None and self.sharded_kv is None and (
+                request.prefill_only or request.adopt_lease_id is not None):
+            raise ValueError("KV handoff with tensor_parallel_size > 1 needs kv_cache_dtype auto")
         prompt = list(request.prompt_token_ids)
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
@@ -153,6 +158,8 @@ class LLMEngine:
             if lease.num_tokens != len(prompt) or len(lease.block_ids) < seq.blocks_needed(len(prompt)):
                 self.block_manager.release_blocks(list(lease.block_ids))
                 raise ValueError("lease does not cover the prompt")
+            if self.sharded_kv is not None:
+                self.sharded_kv.scatter(lease.block_ids)  # pulled into the canonical pool: out to the ranks
             seq.block_table = list(lease.block_ids)
             seq.num_computed_tokens = len(prompt)
             seq.prompt_logprobs = None  # computed by the engine that prefilled
@@ -220,6 +227,8 @@ class LLMEngine:
         if len(block_hashes) != len(lease.block_ids):
             self.block_manager.release_blocks(list(lease.block_ids))
             raise ValueError(f"{len(block_hashes)} hashes for {len(lease.block_ids)} leased blocks")
+        if self.sharded_kv is not None:
+            self.sharded_kv.scatter(lease.block_ids)
         return self.block_manager.cache_blocks(list(lease.block_ids), list(block_hashes))
 
     def expire_leases(self, now: float | None = None) -> int:
@@ -253,11 +262,26 @@ class LLMEngine:
             outputs.extend(self._postprocess(seqs, sampled))
         for result in verified:
             outputs.extend(self._postprocess_verified(result))
+        if self.sharded_kv is not None:
+            self._gather_handed_off(outputs)
         end = time.perf_counter()
         self.step_times.append(end - start)
         self.step_tokens.append(batch.num_tokens)
         self._busy_since = end if self.has_unfinished() else None
         return outputs
+
+    @property
+    def handoff_pool(self) -> torch.Tensor:
+        """The pool a KV transport reads and writes: the runner's, or a TP replica's whole-model pool."""
+        return self.runner.kv_pool if self.sharded_kv is None else self.sharded_kv.canonical
+
+    def _gather_handed_off(self, outputs: list[TokenDelta]) -> None:
+        """The blocks this step's parts and handoffs lease out, from every rank into the canonical pool."""
+        for d in outputs:
+            if d.kv_part is not None:
+                self.sharded_kv.gather(d.kv_part.block_ids)
+            if d.kv_handoff is not None:
+                self.sharded_kv.gather(d.kv_handoff.block_ids[d.kv_handoff.num_parted_blocks:])
 
     def _advance(self, batch: ScheduledBatch, verified: list[Verified]) -> None:
         for seq in batch.decodes:

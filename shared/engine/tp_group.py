@@ -134,14 +134,38 @@ class TensorParallelModel(nn.Module):
             raise TensorParallelError(self.failed)
         payload = pack_step(input_ids, positions, meta)
         try:
-            self.header[0], self.header[1] = STEP, payload.numel()
-            broadcast(self.control, self.header)
+            self._send_header(STEP, payload.numel())
             broadcast(self.ops, payload)
             return self.model(input_ids, positions, kv_caches, meta)
         except RuntimeError as e:
-            self.failed = f"tensor-parallel step failed ({self._ranks_state()}): {e}"
-            self._finalizer()
-            raise TensorParallelError(self.failed) from e
+            self._fail(e)
+
+    def command(self, command: int, payload: torch.Tensor) -> None:
+        """Start a non-step command (pdserve.engine.tp_kv) on every worker rank, with an int64 payload."""
+        self._guarded(lambda: (self._send_header(command, payload.numel()), broadcast(self.ops, payload)))
+
+    def send(self, tensor: torch.Tensor, rank: int) -> None:
+        self._guarded(lambda: self.ops.send([tensor], rank, 0).wait())
+
+    def recv(self, tensor: torch.Tensor, rank: int) -> None:
+        self._guarded(lambda: self.ops.recv([tensor], rank, 0).wait())
+
+    def _send_header(self, command: int, length: int) -> None:
+        self.header[0], self.header[1] = command, length
+        broadcast(self.control, self.header)
+
+    def _guarded(self, op) -> None:
+        if self.failed is not None:
+            raise TensorParallelError(self.failed)
+        try:
+            op()
+        except RuntimeError as e:
+            self._fail(e)
+
+    def _fail(self, e: RuntimeError) -> None:
+        self.failed = f"tensor-parallel step failed ({self._ranks_state()}): {e}"
+        self._finalizer()
+        raise TensorParallelError(self.failed) from e
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.tp_group import STOP, bind_group, broadcast, load_shard, make_groups, worker_config
+from pdserve.engine.tp_group import STEP, STOP, bind_group, broadcast, load_shard, make_groups, worker_config
+from pdserve.engine.tp_kv import serve_command
 from pdserve.engine.tp_step import unpack_step
 
 
@@ -41,6 +42,10 @@ def run_worker(rank: int, world_size: int, port: int, model_dir: str, config: di
                 break
             payload = torch.empty(int(header[1]), dtype=torch.int64)
             broadcast(ops, payload)
+            if header[0].item() != STEP:  # a KV move between steps: the payload is its block ids
+                serve_command(int(header[0]), payload, runner.kv_pool, lambda t: ops.send([t], 0, 0).wait(),
+                              lambda t: ops.recv([t], 0, 0).wait())
+                continue
             ids, positions, meta = unpack_step(payload, runner.device, runner.attention_backend, runner._workspace)
             model(ids, positions, runner.kv_caches, meta)
 

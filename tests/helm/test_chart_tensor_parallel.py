@@ -1,5 +1,6 @@
 """`<role>.worker.tensor_parallel_size` in the chart: a replica of n ranks asks Ray for n CPU shares and n x numGpus
-GPUs, its pod must hold those GPUs, and a role that hands KV off (disaggregated mode) is refused at render time."""
+GPUs, its pod must hold those GPUs, prefill and decode may take different degrees, and a role that hands KV off
+with ranks over a quantized KV pool is refused at render time."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import yaml
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
 COLOCATED_TP = CHART / "ci" / "colocated-tp-values.yaml"
+DISAGGREGATED_TP = CHART / "ci" / "disaggregated-tp-values.yaml"
 GPU_POOLS = CHART / "ci" / "gpu-pools-values.yaml"
 ENV = {"PDSERVE_REDIS_PASSWORD": "x"}
 
@@ -77,14 +79,31 @@ def test_the_gpu_example_takes_one_gpu_per_replica(render):
         assert pod["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
+def test_the_disaggregated_example_splits_prefill_over_two_ranks_and_decode_over_one(render):
+    from pdserve.services.serve_builder import system_config
+
+    rs = _rayservice(render([DISAGGREGATED_TP]))
+    config = system_config(_app(rs)["args"], ENV)
+    assert config.mode == "disaggregated"
+    prefill, decode = config.worker("prefill"), config.worker("decode")
+    assert (prefill.engine_config().tensor_parallel_size, decode.engine_config().tensor_parallel_size) == (2, 1)
+    assert prefill.kv_handoff and decode.kv_handoff
+    assert prefill.deployment_options()["ray_actor_options"]["num_cpus"] == 2.0
+    assert _groups(rs)["prefill"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] == "2"
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_role_that_hands_kv_off_is_refused_at_render(helm, role):
-    result = subprocess.run([helm, "template", "pdserve", str(CHART), "--set", f"{role}.worker.tensor_parallel_size=2"],
+def test_ranks_over_a_quantized_kv_pool_that_hands_kv_off_are_refused_at_render(helm, role):
+    sets = [f"{role}.worker.tensor_parallel_size=2", f"{role}.worker.kv_cache_dtype=int8"]
+    result = subprocess.run([helm, "template", "pdserve", str(CHART), *(a for s in sets for a in ("--set", s))],
                             check=False, capture_output=True, text=True)
     assert result.returncode != 0
-    assert (f"{role}.worker.tensor_parallel_size 2: disaggregated mode hands every prompt's KV from prefill to "
-            "decode, and KV handoff between tensor-parallel replicas is not implemented yet; set system.mode "
-            "colocated (decode prefills itself) or 1") in result.stderr, result.stderr
+    assert (f"{role}.worker.tensor_parallel_size 2 with kv_cache_dtype int8: a tensor-parallel replica hands KV on "
+            "head by head, and a quantized KV pool cannot be split by head; use kv_cache_dtype auto") in result.stderr, \
+        result.stderr
+    ranks_only = subprocess.run([helm, "template", "pdserve", str(CHART), "--set", sets[0]],
+                                check=False, capture_output=True, text=True)
+    assert ranks_only.returncode == 0, ranks_only.stderr
     zero = subprocess.run([helm, "template", "pdserve", str(CHART), "--set", f"{role}.worker.tensor_parallel_size=0"],
                           check=False, capture_output=True, text=True)
     assert zero.returncode != 0 and f"/{role}/worker/tensor_parallel_size': minimum: got 0, want 1" in zero.stderr

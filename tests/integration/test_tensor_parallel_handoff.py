@@ -1,0 +1,100 @@
+"""KV handoff between engines of different tensor-parallel degrees, in process over the local transport:
+prefill TP=p hands a prompt's KV to decode TP=d and the greedy output equals a TP=1 engine's, for p, d in
+{1, 2} and for uneven head splits (tiny: 4 KV heads, so TP=3 holds 2, 1 and 1). The blocks a TP replica
+exports, parts included, are the whole model's: equal to what a TP=1 engine pools for the same prompt."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from pdserve.bench.tp import engine_config
+from pdserve.engine import AsyncLLMEngine, GenerationRequest, LLMEngine
+from pdserve.engine.handoff import KVExporter, KVImporter, engine_layout, engine_pool
+from pdserve.kvcache.transports.local import LocalHub, LocalTransport
+from pdserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+PROMPT = tuple(range(100, 157))  # 57 tokens: 3 full blocks of 16 and a partial one
+NUM_BLOCKS = 32
+
+
+def _engine(tp: int) -> AsyncLLMEngine:
+    return AsyncLLMEngine(LLMEngine(engine_config("tiny", tp, num_blocks=NUM_BLOCKS)))
+
+
+async def _tokens(engine: AsyncLLMEngine, request: GenerationRequest) -> list[int]:
+    return [t async for d in engine.generate(request) for t in d.token_ids]
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[int]:
+    async def main():
+        engine = _engine(1)
+        try:
+            return await _tokens(engine, GenerationRequest("ref", PROMPT, GREEDY))
+        finally:
+            await engine.close()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 1), (1, 2), (2, 1), (2, 2), (3, 2), (2, 3)])
+def test_handoff_across_tp_degrees_matches_tp1_greedy(prefill_tp, decode_tp, expected):
+    async def main():
+        prefill, decode = _engine(prefill_tp), _engine(decode_tp)
+        try:
+            assert engine_layout(prefill).layout_hash == engine_layout(decode).layout_hash
+            hub = LocalHub()
+            exporter = KVExporter(prefill, LocalTransport(engine_pool(prefill), engine_layout(prefill),
+                                                          prefill.release_lease_quietly, hub=hub))
+            importer = KVImporter(decode, LocalTransport(engine_pool(decode), engine_layout(decode), hub=hub))
+            (delta,) = [d async for d in prefill.generate(GenerationRequest("p", PROMPT, GREEDY, prefill_only=True))]
+            result = await importer.import_kv(await exporter.export(delta.kv_handoff))
+            assert result.ok, (result.fallback_reason, result.error)
+            rest = await _tokens(decode, GenerationRequest("d", PROMPT, GREEDY, adopt_lease_id=result.lease_id,
+                                                           first_token_id=delta.token_ids[0]))
+            assert [delta.token_ids[0], *rest] == expected
+            for engine, tp in ((prefill, prefill_tp), (decode, decode_tp)):
+                free = engine.engine.block_manager.num_free_blocks
+                assert free == NUM_BLOCKS, f"TP={tp} engine holds {NUM_BLOCKS - free} blocks after the request"
+            if prefill_tp > 1:
+                assert prefill.engine.sharded_kv.num_gathered == 4
+            if decode_tp > 1:
+                assert decode.engine.sharded_kv.num_scattered == 4
+        finally:
+            for engine in (prefill, decode):
+                await engine.close()
+                engine.engine.shutdown()
+
+    asyncio.run(main())
+
+
+def _prefill_blocks(tp: int) -> tuple[torch.Tensor, int]:
+    """The exported blocks of a prompt prefilled in parts of one block each, in prompt order, [n, L, 2, bs, H,
+    D]; and the number of parts."""
+    engine = LLMEngine(engine_config("tiny", tp, num_blocks=NUM_BLOCKS))
+    try:
+        engine.add_request(GenerationRequest("p", PROMPT, GREEDY, prefill_only=True, kv_part_tokens=16))
+        block_ids, parts = [], 0
+        while engine.has_unfinished():
+            for d in engine.step():
+                if d.kv_part is not None:
+                    block_ids += d.kv_part.block_ids
+                    parts += 1
+                if d.kv_handoff is not None:
+                    block_ids += d.kv_handoff.block_ids[d.kv_handoff.num_parted_blocks:]
+        return engine.handoff_pool[block_ids].clone(), parts
+    finally:
+        engine.shutdown()
+
+
+def test_a_tp_replicas_exported_blocks_and_parts_equal_a_tp1_pools():
+    reference, parts = _prefill_blocks(1)
+    assert parts == 3 and reference.shape[0] == 4
+    for tp in (2, 3):
+        got, got_parts = _prefill_blocks(tp)
+        assert got_parts == parts
+        torch.testing.assert_close(got, reference, rtol=0, atol=1e-5)
