@@ -4,7 +4,10 @@ Parity: prefill logits at every position of a prompt, TP=2 against TP=1 (max_abs
 32 greedy tokens on 4 chat prompts through the engine (greedy_identical). Cost: a 1k-token prefill and a
 decode step at batch 1 and 16 (every sequence attends the same prefilled 1k-token context, plus a block
 of its own), for TP=1 (all cores in one process) and TP=2 (the cores split between the ranks), with the
-share of the driver's step spent in all-reduces (communication plus waiting for the slower rank).
+share of the driver's step spent in all-reduces (communication plus waiting for the slower rank). Handoff:
+at TP=2, gathering the 1k-token prompt's blocks from the ranks into the whole model's layout (what a
+prefill replica does before exporting) and scattering them back (what a decode replica does on adopting),
+with the bytes moved and a copy of those bytes between two buffers of one process as the reference.
 """
 
 from __future__ import annotations
@@ -103,6 +106,24 @@ def _timed(engine: LLMEngine, fn, repeats: int) -> dict:
             "allreduce_share": round(shares[median], 3)}
 
 
+def _handoff(engine: LLMEngine, block_ids: list[int], prefill_ms: float, repeats: int) -> dict:
+    kv = engine.sharded_kv
+    kv.gather(block_ids)  # warm-up; allocates the whole-model pool
+    canonical = kv.canonical[block_ids]
+    nbytes = canonical.numel() * canonical.element_size()
+    into = torch.empty_like(canonical)  # faulted in once, as the pools are: the reference is the copy alone
+    into.copy_(canonical)
+    copy = _timed(engine, lambda: into.copy_(canonical), repeats)
+    gather = _timed(engine, lambda: kv.gather(block_ids), repeats)
+    scatter = _timed(engine, lambda: kv.scatter(block_ids), repeats)
+    return {"handoff_kv_bytes_1k": nbytes,
+            "handoff_gather_1k": {k: gather[k] for k in ("ms", "ms_min")},
+            "handoff_scatter_1k": {k: scatter[k] for k in ("ms", "ms_min")},
+            "handoff_copy_1k": {k: copy[k] for k in ("ms", "ms_min")},
+            "handoff_gather_over_copy": round(gather["ms"] / copy["ms"], 2),
+            "handoff_gather_over_prefill_1k": round(gather["ms"] / prefill_ms, 4)}
+
+
 def _chat_ids(llm: LLM, prompt: str) -> list[int]:
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     return llm.tokenizer.encode(chat, add_special_tokens=False)
@@ -137,6 +158,7 @@ def run(model: str = "smollm2-135m-instruct", quick: bool = False, seed: int = 0
                 timings.setdefault(f"tp{tp}", {})[name] = _timed(
                     llm.engine, lambda e=llm.engine, b=blocks[tp], f=fn: f(e, b), repeats)
         result.update(timings)
+        result.update(_handoff(llms[2].engine, blocks[2][:context], timings["tp2"]["prefill_1k"]["ms"], repeats))
         for name in ("prefill_1k", "decode_b1", "decode_b16"):
             result[f"{name}_tp2_over_tp1"] = round(timings["tp2"][name]["ms"] / timings["tp1"][name]["ms"], 3)
         return result

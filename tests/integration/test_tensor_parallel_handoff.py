@@ -98,3 +98,38 @@ def test_a_tp_replicas_exported_blocks_and_parts_equal_a_tp1_pools():
         got, got_parts = _prefill_blocks(tp)
         assert got_parts == parts
         torch.testing.assert_close(got, reference, rtol=0, atol=1e-5)
+
+
+def test_through_redis_handoff_and_prefix_pulls_into_tp_replicas_match_tp1(redis_server, expected):
+    """Prefill TP=2 stores the prompt's blocks in Redis; decode TP=2 adopts them (scattered to its ranks); a
+    third engine at TP=2 pulls the prompt's full blocks as a cached prefix and computes only the rest."""
+    from pdserve.engine.prefix_pull import PrefixPuller
+    from pdserve.kvcache.transports.redis import RedisTransport
+
+    def transport(engine, release=None):
+        return RedisTransport(engine_pool(engine), engine_layout(engine), release, url=redis_server.url,
+                              socket_timeout_s=5.0)
+
+    async def main():
+        prefill, decode, puller_engine = _engine(2), _engine(2), _engine(2)
+        try:
+            exporter = KVExporter(prefill, transport(prefill, prefill.release_lease_quietly))
+            importer = KVImporter(decode, transport(decode))
+            (delta,) = [d async for d in prefill.generate(GenerationRequest("p", PROMPT, GREEDY, prefill_only=True))]
+            result = await importer.import_kv(await exporter.export(delta.kv_handoff))
+            assert result.ok, (result.fallback_reason, result.error)
+            rest = await _tokens(decode, GenerationRequest("d", PROMPT, GREEDY, adopt_lease_id=result.lease_id,
+                                                           first_token_id=delta.token_ids[0]))
+            assert [delta.token_ids[0], *rest] == expected
+            pull = await PrefixPuller(puller_engine, transport(puller_engine)).pull(PROMPT, 3)
+            assert (pull.failure, pull.num_pulled_blocks) == (None, 3), pull.error
+            assert puller_engine.engine.sharded_kv.num_scattered == 3
+            deltas = [d async for d in puller_engine.generate(GenerationRequest("c", PROMPT, GREEDY))]
+            assert deltas[0].num_cached_tokens == 48  # the 3 pulled blocks: only the last 9 tokens computed
+            assert [t for d in deltas for t in d.token_ids] == expected
+        finally:
+            for engine in (prefill, decode, puller_engine):
+                await engine.close()
+                engine.engine.shutdown()
+
+    asyncio.run(main())
