@@ -185,3 +185,39 @@ def test_a_redis_url_in_the_config_file_is_used_and_no_local_redis_starts(tmp_pa
         [line for line in output.splitlines() if "local Redis" in line]
     assert any("redis transport" in line for line in own), output[-3000:]
     assert client.info("stats")["total_commands_processed"] > before + 2  # the handoff used this server
+
+
+def test_pdserve_serve_with_ranks_on_both_roles_hands_kv_over_and_leaves_no_rank(tmp_path):
+    """`pdserve serve --tensor-parallel-size 2` as a user runs it (disaggregated, the default): the prompt's KV
+    moves from 2 prefill ranks to 2 decode ranks, the greedy text equals one process's, and Ctrl-C ends
+    every rank."""
+    import psutil
+
+    from pdserve.engine import LLM
+    from pdserve.sampling_params import SamplingParams
+
+    messages = [{"role": "user", "content": "Explain how a prefill pool hands its KV cache to a decode pool "
+                                            "when each splits the model's attention heads."}]
+    llm = LLM(model="tiny", device="cpu", dtype="float32")
+    ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    expected = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].text
+    port, grpc_port = str(listen_port()), str(listen_port())
+    with _serving(tmp_path / "serve.log", "--model", "tiny", "--tensor-parallel-size", "2", "--port", port,
+                  "--grpc-port", grpc_port) as proc:
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "pdserve.engine.tp_worker" in " ".join(p.cmdline())]
+        assert len(ranks) == 2, "one worker rank per replica, prefill and decode"
+        body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.load(response)["choices"][0]["message"]["content"] == expected
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        assert any(line.startswith("pdserve_kv_transfer_bytes_count{") and 'role="decode"' in line
+                   and 'transport="shm"' in line and line.endswith(" 1.0") for line in metrics.splitlines())
+    output = (tmp_path / "serve.log").read_text()
+    assert proc.returncode == 0, output[-3000:]
+    assert "tensor parallel: prefill 2, decode 2" in output
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
