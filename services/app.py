@@ -69,21 +69,6 @@ class SystemConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _tensor_parallel_roles_pool_whole_heads(self) -> SystemConfig:
-        """A tensor-parallel replica hands KV on in the whole model's layout, gathered from and scattered to
-        its ranks head by head (pdserve.engine.tp_kv): a quantized pool packs scales beside the heads and
-        cannot be split so. A colocated app with KV handoff off needs none of it."""
-        handing = self.mode == "disaggregated" or self.transport == "redis"
-        for role in ("prefill", "decode") if handing else ():
-            overrides = getattr(self, role)
-            kv_dtype = overrides.get("kv_cache_dtype", self.kv_cache_dtype)
-            if overrides.get("tensor_parallel_size", 1) > 1 and kv_dtype != "auto":
-                raise ValueError(f"{role}.tensor_parallel_size {overrides['tensor_parallel_size']} with kv_cache_dtype "
-                                 f"{kv_dtype}: a tensor-parallel replica hands KV on head by head, and a quantized "
-                                 "KV pool cannot be split by head; use kv_cache_dtype auto")
-        return self
-
-    @model_validator(mode="after")
     def _placement_sync_has_a_redis(self) -> SystemConfig:
         if self.router.get("placement_sync") == "redis" and not self.redis_url:
             raise ValueError("router.placement_sync: redis needs the system's redis_url (or auto / none)")

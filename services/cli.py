@@ -34,7 +34,7 @@ def serve_parser() -> argparse.ArgumentParser:
                    "the model dtype), auto (a GGUF's Q4/Q8 tensors as stored), int8, int4, fp8 (GPU only)")
     p.add_argument("--tensor-parallel-size", type=int,
                    help="ranks per replica on both roles (the config file can set each role's; CPU, gloo); the "
-                   "roles may differ, and KV moves between them in the whole model's layout (needs --kv-cache-dtype auto)")
+                   "roles may differ, and KV moves between them in the whole model's layout")
     p.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
     p.add_argument("--api-key-file", help="require a Bearer key listed in this file (one per line)")
     p.add_argument("--ingress", choices=["direct", "proxy"], default="direct",

@@ -77,9 +77,10 @@ class LLMEngine:
             model, runner_config, block_size, num_blocks, config.torch_dtype, config.device,
             attention_override=config.attention_backend, kv_cache_dtype=config.cache.kv_cache_dtype,
         )
-        # a TP replica hands KV on in the whole model's layout (pdserve.engine.tp_kv); quantized pools cannot
-        self.sharded_kv = (ShardedKV(self.tensor_parallel, self.runner.kv_pool, self.model_config)
-                           if self.tensor_parallel is not None and self.runner.kv_pool.dim() == 6 else None)
+        # a TP replica hands KV on in the whole model's layout (pdserve.engine.tp_kv)
+        self.sharded_kv = None if self.tensor_parallel is None else ShardedKV(
+            self.tensor_parallel, self.runner.kv_pool, self.model_config, block_size, config.torch_dtype,
+            config.cache.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         drafter = None if config.speculative is None else Drafter.from_config(config.speculative, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, drafter)
@@ -104,9 +105,6 @@ class LLMEngine:
     def add_request(self, request: GenerationRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if self.tensor_parallel is not None and self.sharded_kv is None and (
-                request.prefill_only or request.adopt_lease_id is not None):
-            raise ValueError("KV handoff with tensor_parallel_size > 1 needs kv_cache_dtype auto")
         prompt = list(request.prompt_token_ids)
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):

@@ -65,15 +65,22 @@ def allocate_kv_cache(
 def quantized_views(
     pool: torch.Tensor, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
 ) -> list[tuple[QuantizedCache, QuantizedCache]]:
-    # pool: [num_blocks, block_nbytes] uint8
-    num_blocks = pool.shape[0]
-    num_values = num_layers * 2 * block_size * num_kv_heads * head_dim
-    # values: [num_blocks, L, 2, bs, Hkv, D]; scales: [num_blocks, L, 2, bs, Hkv]
-    values = pool[:, :num_values].view(QUANT_DTYPES[kv_cache_dtype])
-    values = values.view(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
-    scales = pool[:, num_values:].view(SCALE_DTYPE).view(num_blocks, num_layers, 2, block_size, num_kv_heads)
+    values, scales = value_scale_views(pool, num_layers, block_size, num_kv_heads, head_dim, kv_cache_dtype)
     return [
         (QuantizedCache(values[:, i, 0], scales[:, i, 0], kv_cache_dtype),
          QuantizedCache(values[:, i, 1], scales[:, i, 1], kv_cache_dtype))
         for i in range(num_layers)
     ]
+
+
+def value_scale_views(
+    pool: torch.Tensor, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """pool: [num_blocks, block_nbytes] uint8 -> values [num_blocks, L, 2, bs, Hkv, D] and scales
+    [num_blocks, L, 2, bs, Hkv], both viewing it."""
+    num_blocks = pool.shape[0]
+    num_values = num_layers * 2 * block_size * num_kv_heads * head_dim  # one byte each
+    values = pool[:, :num_values].view(QUANT_DTYPES[kv_cache_dtype])
+    values = values.view(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+    scales = pool[:, num_values:].view(SCALE_DTYPE).view(num_blocks, num_layers, 2, block_size, num_kv_heads)
+    return values, scales

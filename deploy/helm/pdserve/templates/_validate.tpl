@@ -22,11 +22,6 @@
 {{- fail (printf "%s.rayStartParams.labels is not allowed: pdserve sets the group's Ray labels itself" $role) -}}
 {{- end -}}
 {{- $ranks := include "pdserve.ranks" $v | int -}}
-{{- $kvDtype := default "auto" (index (default dict $v.worker) "kv_cache_dtype") -}}
-{{- $handsKv := or (eq $.Values.system.mode "disaggregated") (eq $.Values.system.transport "redis") -}}
-{{- if and (gt $ranks 1) $handsKv (ne $kvDtype "auto") -}}
-{{- fail (printf "%s.worker.tensor_parallel_size %d with kv_cache_dtype %s: a tensor-parallel replica hands KV on head by head, and a quantized KV pool cannot be split by head; use kv_cache_dtype auto" $role $ranks $kvDtype) -}}
-{{- end -}}
 {{- $podGpus := index (default dict (default dict $v.resources).limits) "nvidia.com/gpu" | default 0 | float64 -}}
 {{- $replicaGpus := mulf (float64 $v.numGpus) (float64 $ranks) -}}
 {{- if gt $replicaGpus $podGpus -}}
