@@ -56,7 +56,11 @@ class AsyncLLMEngine:
         added = False
         try:
             async with self._lock:
-                self.engine.add_request(request)  # raises ValueError on bad input, before anything is held
+                try:
+                    self.engine.add_request(request)  # raises ValueError on bad input, before anything is held
+                except Exception as exc:  # an adopted lease's scatter to the TP ranks may find one lost
+                    self._if_broken(exc)
+                    raise
                 added = True
                 self._queues[request.request_id] = queue
                 self._stats = self.engine.stats()
@@ -123,9 +127,18 @@ class AsyncLLMEngine:
 
     async def cache_lease(self, lease_id: str, block_hashes: list[int]) -> int:
         async with self._lock:
-            num_cached = self.engine.cache_lease(lease_id, block_hashes)
+            try:
+                num_cached = self.engine.cache_lease(lease_id, block_hashes)
+            except Exception as exc:
+                self._if_broken(exc)
+                raise
             self._stats = self.engine.stats()
         return num_cached
+
+    def _if_broken(self, exc: BaseException) -> None:
+        """Tell `on_broken` when `exc` left the engine unable to step again (a tensor-parallel rank lost)."""
+        if self.on_broken is not None and self.engine.is_broken:
+            self.on_broken(exc)
 
     @property
     def kv_events(self) -> KVEventLog:
@@ -156,8 +169,7 @@ class AsyncLLMEngine:
                 try:
                     outputs = await loop.run_in_executor(self._executor, self.engine.step)
                 except Exception as exc:  # fail every in-flight request rather than hang them
-                    if self.on_broken is not None and self.engine.is_broken:
-                        self.on_broken(exc)
+                    self._if_broken(exc)
                     for queue in self._queues.values():
                         queue.put_nowait(exc)
                     self._queues.clear()

@@ -178,3 +178,34 @@ def test_a_serving_engine_hears_of_a_lost_rank_before_its_streams_do():
         asyncio.run(run())
     finally:
         engine.engine.shutdown()
+
+
+def test_a_rank_lost_before_an_adoption_is_heard_when_its_kv_is_scattered():
+    """A decode engine at TP=2 adopting a pulled lease scatters the KV to its ranks: a rank lost since the last
+    step fails that scatter, and on_broken hears of it there (a serving replica exits and is replaced)."""
+    import asyncio
+
+    from pdserve.engine.async_engine import AsyncLLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.outputs import GenerationRequest
+
+    engine = AsyncLLMEngine(LLMEngine(engine_config("tiny", 2)))
+    seen: list[str] = []
+
+    async def run() -> None:
+        lease = await engine.reserve_kv(3)
+        worker = engine.engine.tensor_parallel.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+        engine.on_broken = lambda exc: seen.append(type(exc).__name__)
+        request = GenerationRequest("adopt", (1, 2, 3), GREEDY, adopt_lease_id=lease.lease_id, first_token_id=4)
+        with pytest.raises(TensorParallelError):
+            async for _ in engine.generate(request):
+                pass
+        assert seen == ["TensorParallelError"] and engine.engine.is_broken
+        await engine.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.engine.shutdown()
