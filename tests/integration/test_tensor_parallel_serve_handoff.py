@@ -31,7 +31,8 @@ CASES = [  # (prefill TP, decode TP, transport as the metrics label it)
 
 
 @pytest.fixture(scope="module")
-def expected() -> str:
+def expected() -> tuple[str, int]:
+    """A TP=1 engine's greedy text for the chat, and the KV bytes of its prompt in the whole model's layout."""
     llm = LLM(model="tiny", device="cpu", dtype="float32")
     ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
     out = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
@@ -43,13 +44,12 @@ def expected() -> str:
 
 def _decode_transfers(url: str, transport: str) -> tuple[float, float]:
     """(transfers, bytes) the decode role pulled over `transport`, from the router's merged /metrics."""
-    found = {"count": 0.0, "sum": 0.0}
+    found = {"pdserve_kv_transfer_bytes_count": 0.0, "pdserve_kv_transfer_bytes_sum": 0.0}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
         for s in family.samples:
-            if (s.name.startswith("pdserve_kv_transfer_bytes_") and s.labels.get("role") == "decode"
-                    and s.labels.get("transport") == transport):
-                found[s.name.rsplit("_", 1)[1]] = found.get(s.name.rsplit("_", 1)[1], 0.0) + s.value
-    return found["count"], found["sum"]
+            if s.name in found and s.labels.get("role") == "decode" and s.labels.get("transport") == transport:
+                found[s.name] += s.value
+    return found["pdserve_kv_transfer_bytes_count"], found["pdserve_kv_transfer_bytes_sum"]
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp", "transport"), CASES)
