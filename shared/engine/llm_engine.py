@@ -12,10 +12,11 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.engine_leases import EngineLeases
 from pdserve.engine.kv_parts import part_tokens, take_parts
-from pdserve.engine.lease import Lease, LeaseTable
+from pdserve.engine.lease import LeaseTable
 from pdserve.engine.model_runner import ModelRunner, PromptRows, kv_block_bytes
-from pdserve.engine.outputs import EngineStats, GenerationRequest, KVHandoff, TokenDelta
+from pdserve.engine.outputs import EngineStats, GenerationRequest, TokenDelta
 from pdserve.engine.sampler import Sampler, prompt_logprobs
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence
@@ -40,7 +41,7 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
 
 
-class LLMEngine:
+class LLMEngine(EngineLeases):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.num_threads:
@@ -203,39 +204,6 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.config.structured, vocab)
         return self._grammars
 
-    # --- leases ----------------------------------------------------------------------------------
-
-    def reserve_kv(self, num_tokens: int) -> Lease:
-        """Allocate blocks for KV that a transport will write (decode side of a handoff)."""
-        block_ids = self.block_manager.allocate_blocks((num_tokens + self.block_manager.block_size - 1) // self.block_manager.block_size)
-        return self.leases.grant(block_ids, num_tokens)
-
-    def release_lease(self, lease_id: str) -> bool:
-        try:
-            lease = self.leases.take(lease_id)
-        except KeyError:
-            return False
-        self.block_manager.release_blocks(list(lease.block_ids))
-        return True
-
-    def cache_lease(self, lease_id: str, block_hashes: list[int]) -> int:
-        """End a lease whose blocks hold known KV (pulled from a shared store, block i under
-        `block_hashes[i]`) by releasing them into the prefix cache; returns the blocks cached."""
-        lease = self.leases.take(lease_id)
-        if len(block_hashes) != len(lease.block_ids):
-            self.block_manager.release_blocks(list(lease.block_ids))
-            raise ValueError(f"{len(block_hashes)} hashes for {len(lease.block_ids)} leased blocks")
-        if self.sharded_kv is not None:
-            self.sharded_kv.scatter(lease.block_ids)
-        return self.block_manager.cache_blocks(list(lease.block_ids), list(block_hashes))
-
-    def expire_leases(self, now: float | None = None) -> int:
-        expired = self.leases.expired(now)
-        for lease in expired:
-            self.block_manager.release_blocks(list(lease.block_ids))
-        self.num_expired_leases += len(expired)
-        return len(expired)
-
     # --- stepping --------------------------------------------------------------------------------
 
     def step(self) -> list[TokenDelta]:
@@ -267,19 +235,6 @@ class LLMEngine:
         self.step_tokens.append(batch.num_tokens)
         self._busy_since = end if self.has_unfinished() else None
         return outputs
-
-    @property
-    def handoff_pool(self) -> torch.Tensor:
-        """The pool a KV transport reads and writes: the runner's, or a TP replica's whole-model pool."""
-        return self.runner.kv_pool if self.sharded_kv is None else self.sharded_kv.canonical
-
-    def _gather_handed_off(self, outputs: list[TokenDelta]) -> None:
-        """The blocks this step's parts and handoffs lease out, from every rank into the canonical pool."""
-        for d in outputs:
-            if d.kv_part is not None:
-                self.sharded_kv.gather(d.kv_part.block_ids)
-            if d.kv_handoff is not None:
-                self.sharded_kv.gather(d.kv_handoff.block_ids[d.kv_handoff.num_parted_blocks:])
 
     def _advance(self, batch: ScheduledBatch, verified: list[Verified]) -> None:
         for seq in batch.decodes:
@@ -376,16 +331,6 @@ class LLMEngine:
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             return "length", None, text
         return None, None, text
-
-    def _hand_off(self, seq: Sequence) -> KVHandoff:
-        # The prompt's KV stays in the pool under a lease; the first token is not yet computed.
-        self.scheduler.remove(seq)
-        lease = self.leases.grant(seq.block_table, seq.num_computed_tokens)
-        handoff = KVHandoff(lease.lease_id, lease.block_ids, lease.num_tokens, tuple(seq.block_hashes),
-                            num_parted_blocks=seq.num_parted_blocks)
-        seq.block_table, seq.block_hashes = [], []
-        self.scheduler.finish(seq, "handoff")
-        return handoff
 
     # --- stats -----------------------------------------------------------------------------------
 
