@@ -42,14 +42,16 @@ async def _grpc_text(port: int) -> str:
 
 @contextlib.contextmanager
 def _serving(log_path, *flags: str):
-    """`pdserve serve FLAGS` until /health answers; then one Ctrl-C and its exit awaited (killed after 60 s)."""
+    """`pdserve serve FLAGS` until it says it is serving and /health answers; then one Ctrl-C and its exit awaited
+    (killed after 60 s). The router answers /health before Serve reports the app RUNNING, and a Ctrl-C in that
+    gap stops `pdserve serve` before its serving line, as a user's would."""
     log = open(log_path, "w")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.services.cli", "serve", *flags],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     port = flags[flags.index("--port") + 1]
     try:
         deadline = time.monotonic() + 150
-        while _get(f"http://127.0.0.1:{port}/health") != 200:
+        while "pdserve is serving" not in log_path.read_text() or _get(f"http://127.0.0.1:{port}/health") != 200:
             assert proc.poll() is None, log_path.read_text()[-3000:]
             assert time.monotonic() < deadline, "pdserve serve did not become healthy"
             time.sleep(1)
@@ -134,7 +136,7 @@ def test_sigterm_stops_pdserve_serve_like_ctrl_c_and_leaves_no_process(tmp_path)
     descendants: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 150
-        while _get(f"http://127.0.0.1:{port}/health") != 200:
+        while "pdserve is serving" not in log_path.read_text() or _get(f"http://127.0.0.1:{port}/health") != 200:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "pdserve serve did not become healthy"
             time.sleep(1)
@@ -183,7 +185,8 @@ def test_a_redis_url_in_the_config_file_is_used_and_no_local_redis_starts(tmp_pa
     own = [line for line in output.splitlines() if not line.lstrip().startswith(("(", "\x1b["))]
     assert not [line for line in own if line.startswith("started a local Redis")], \
         [line for line in output.splitlines() if "local Redis" in line]
-    assert any("redis transport" in line for line in own), output[-3000:]
+    serving = [line for line in output.splitlines() if "pdserve is serving" in line]
+    assert serving and "redis transport" in serving[0], serving or output[-3000:]
     assert client.info("stats")["total_commands_processed"] > before + 2  # the handoff used this server
 
 
