@@ -99,6 +99,10 @@ def parser() -> argparse.ArgumentParser:
     validate.add_argument("--profile", help="latency profile (default: the one the report's run named)")
     validate.add_argument("--write", nargs="?", type=Path, const=Path("loadtest/results/simulator-validation.json"),
                           help="also merge the result into this file (default path: %(const)s)")
+    validate.add_argument("--serving-cores", type=float, default=0.0, metavar="CORES",
+                          help="what-if: cores the serving layer outside the replicas (Serve proxy, load client, "
+                          "Ray's processes) kept busy on the report's host, taken from its cores in the model "
+                          "(the reports do not measure it; default %(default)s)")
     validate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     from pdserve.loadtest.soak import add_soak_args
 
@@ -215,7 +219,7 @@ def simulate_main(args: argparse.Namespace) -> int:
 def validate_main(args: argparse.Namespace) -> int:
     from pdserve.loadtest.validate import validate_main as validate
 
-    print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write)))
+    print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write, args.serving_cores)))
     return 0
 
 

@@ -29,7 +29,7 @@ from pdserve.loadtest.scenario import Scenario
 from pdserve.loadtest.slo import SLO
 from pdserve.loadtest.sweep import SweepConfig, find_goodput
 from pdserve.loadtest.workloads import Workload, workload
-from pdserve.sim.calibrate import Calibration, rel_error, scales_from_machine, serving_costs
+from pdserve.sim.calibrate import Calibration, off_step_cpu, rel_error, scales_from_machine, serving_costs
 from pdserve.sim.cluster import Simulation
 from pdserve.sim.config import ClusterSpec
 from pdserve.sim.results import aggregate
@@ -74,7 +74,8 @@ def load_scenario(arg: str) -> Scenario:
 class Model:
     """One scenario's simulated runs: the report's configuration, a calibration per target."""
 
-    def __init__(self, scenario: Scenario, report: dict[str, Any], profile: LatencyProfile) -> None:
+    def __init__(self, scenario: Scenario, report: dict[str, Any], profile: LatencyProfile,
+                 serving_cores: float = 0.0) -> None:
         self.profile, self.report = profile, report
         self.work: Workload = workload(report["workload"])
         ld = report["load"]
@@ -84,16 +85,25 @@ class Model:
         self.sweep = SweepConfig(tuple(sw["rates"]), int(sw["max_runs"]), float(sw["rel_tol"]),
                                  float(sw.get("target", 0.9)))
         self.slo = SLO(report["slo"]["ttft_ms"] / 1e3, report["slo"]["tpot_ms"] / 1e3)
-        self.num_cores = ((report.get("provenance") or {}).get("host") or {}).get("cores")
+        self.host_cores = ((report.get("provenance") or {}).get("host") or {}).get("cores")
+        if serving_cores and not (self.host_cores and 0 <= serving_cores < self.host_cores):
+            raise ValueError(f"--serving-cores {serving_cores:g}: needs a report with its host's cores, and "
+                             f"0 <= cores < {self.host_cores}")
+        self.num_cores = self.host_cores - serving_cores if self.host_cores else None
 
     def spec(self, target: dict[str, Any]) -> ClusterSpec:
         """The target's system on the report's host: every replica shares its cores."""
         return dataclasses.replace(cluster_spec(target["system"], self.profile), num_cores=self.num_cores)
 
     def point(self, spec: ClusterSpec, cal: Calibration, rate: float) -> dict[str, Any]:
+        return self.simulate(spec, cal, rate)[0]
+
+    def simulate(self, spec: ClusterSpec, cal: Calibration, rate: float) -> tuple[dict[str, Any], dict[str, float]]:
+        """(the point's aggregates, CPU seconds of each role's engine steps)"""
         requests = requests_for(self.work, self.load, rate, spec.decode.block_size)
-        records = Simulation(spec, cal.profile(self.profile), requests, placement_profile=self.profile).run()
-        return aggregate(cal.records(records), self.slo, rate, self.load.max_duration_s)
+        sim = Simulation(cal.spec(spec), cal.profile(self.profile), requests, placement_profile=self.profile)
+        records = sim.run()
+        return aggregate(cal.records(records), self.slo, rate, self.load.max_duration_s), sim.cpu_seconds()
 
     def calibrate(self, spec: ClusterSpec, target: dict[str, Any], scales: tuple[float, float, float],
                   source: str) -> Calibration:
@@ -102,7 +112,18 @@ class Model:
         sim = idle_latency(spec, scaled.profile(self.profile), probe)
         live = target["idle"]
         ttft, relay = serving_costs(live["ttft_ms"] / 1e3, live["tpot_ms"] / 1e3, sim.ttft_s, sim.tpot_s)
-        return Calibration(*scales, serving_ttft_s=ttft, relay_token_s=relay, source=source)
+        cal = Calibration(*scales, serving_ttft_s=ttft, relay_token_s=relay, source=source)
+        low = min(target["points"], key=lambda p: p["rate"])
+        cpu = low.get("replica_cpu_s") or {}
+        if not any(role in cpu for role in ("prefill", "decode")):
+            return cal
+        tokens = sum(r.output_tokens for r in requests_for(self.work, self.load, low["rate"], spec.decode.block_size))
+        live = sum(v for role, v in cpu.items() if role in ("prefill", "decode"))
+        for _ in range(3):  # the off-step load changes the steps' batching, and so their CPU: a fixed point
+            _, modelled = self.simulate(spec, cal, low["rate"])
+            steps = sum(modelled.values()) - tokens * cal.off_step_cpu_token_s
+            cal = dataclasses.replace(cal, off_step_cpu_token_s=off_step_cpu(live, steps, tokens))
+        return cal
 
     def fit_scales(self, target: dict[str, Any]) -> tuple[tuple[float, float, float], float]:
         """((prefill, decode, decode) scales, error): on a grid, the pair whose calibration best fits the
@@ -128,6 +149,28 @@ def compare(predicted: dict[str, Any], summary: dict[str, Any]) -> dict[str, dic
     return out
 
 
+def compare_cpu(simulated: dict[str, float], measured: dict[str, float] | None,
+                summary: dict[str, Any]) -> dict[str, float] | None:
+    """The engines' CPU in the model against the replicas' CPU the live point measured (pdserve.proc_cpu),
+    and what the live run spent beyond the model's steps, in cores over the point's duration: the replicas'
+    work between steps, and the router's."""
+    if not measured:
+        return None
+    live = sum(v for role, v in measured.items() if role in ("prefill", "decode"))
+    model = sum(simulated.values())
+    duration = float(summary.get("duration_s") or 0.0)
+    return {"predicted_s": model, "measured_s": live, "model_share": model / live if live else 0.0,
+            "unmodelled_replica_cores": (live - model) / duration if duration else 0.0,
+            "router_cores": measured.get("router", 0.0) / duration if duration else 0.0}
+
+
+def cpu_summary(replica_cpu: dict[str, dict[str, float]]) -> dict[str, Any]:
+    if not replica_cpu:
+        return {}
+    shares = [v["model_share"] for v in replica_cpu.values()]
+    return {"replica_cpu": replica_cpu, "replica_cpu_model_share": {"min": min(shares), "max": max(shares)}}
+
+
 def _profile_path(scenario: Scenario, report: dict[str, Any]) -> str:
     for check in report.get("machine") or ():
         return check["profile_path"]
@@ -140,12 +183,13 @@ def _profile_path(scenario: Scenario, report: dict[str, Any]) -> str:
     raise ValueError(f"report {report.get('scenario')!r} and its scenario name no latency profile")
 
 
-def validate(scenario: Scenario, report_path: Path, profile_path: str | None = None) -> dict[str, Any]:
+def validate(scenario: Scenario, report_path: Path, profile_path: str | None = None,
+             serving_cores: float = 0.0) -> dict[str, Any]:
     """scenario name -> {max_abs_rel_error, figures: {name: {predicted, measured}}, calibration, ...}."""
     report = load_report(report_path)
     path = profile_path or _profile_path(scenario, report)
     profile = load_profile(path)
-    model = Model(scenario, report, profile)
+    model = Model(scenario, report, profile, serving_cores)
     targets = report["targets"]
     fitted: tuple[tuple[float, float, float], float] | None = None
     if not any(t.get("machine") for t in targets) and not report.get("machine"):
@@ -153,6 +197,7 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
     figures: dict[str, dict[str, float]] = {}
     calibrations: dict[str, Any] = {}
     left_out: list[str] = []
+    replica_cpu: dict[str, dict[str, float]] = {}
     for i, target in enumerate(targets):
         name, spec = target["name"], model.spec(target)
         checks = target.get("machine") or report.get("machine")
@@ -168,8 +213,11 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
             if fitted is not None and i == 0 and rate == lowest:
                 left_out.append(f"{name}/{rate:.3g}")
                 continue
-            for fig, value in compare(model.point(spec, cal, rate), point["summary"]).items():
+            predicted, cpu = model.simulate(spec, cal, rate)
+            for fig, value in compare(predicted, point["summary"]).items():
                 figures[f"{name}/{rate:.3g}/{fig}"] = value
+            if measured_cpu := compare_cpu(cpu, point.get("replica_cpu_s"), point["summary"]):
+                replica_cpu[f"{name}/{rate:.3g}"] = measured_cpu
 
         def attainment(rate: float, spec: ClusterSpec = spec, cal: Calibration = cal) -> float:
             return model.point(spec, cal, rate)["slo_attainment"]
@@ -183,24 +231,25 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
     return {
         "max_abs_rel_error": worst, "within_target": worst <= TARGET_ERROR,
         "num_figures": len(figures), "num_within_target": sum(e <= TARGET_ERROR for e in errors.values()),
-        "figures": figures, "calibration": calibrations,
+        "figures": figures, "calibration": calibrations, **cpu_summary(replica_cpu),
         "calibrated_on": "idle probes" + (
             f"; no machine check in the report: prefill and decode scales {fitted[0][0]:g} and {fitted[0][1]:g} "
             f"fitted on {', '.join(left_out)} (left out of the figures)" if fitted else " and machine checks"),
-        "num_cores": model.num_cores,
+        "num_cores": model.num_cores, "serving_cores": serving_cores,
         "report": str(report_path), "report_commit": (report.get("provenance") or {}).get("commit"),
         "profile": path, "seed": scenario.seed,
     }
 
 
-def validate_main(names: list[str], report: str | None, profile: str | None, write: Path | None) -> dict[str, Any]:
+def validate_main(names: list[str], report: str | None, profile: str | None, write: Path | None,
+                  serving_cores: float = 0.0) -> dict[str, Any]:
     if report is not None and len(names) != 1:
         raise ValueError("--report goes with exactly one scenario")
     out: dict[str, Any] = {}
     for arg in names:
         scenario = load_scenario(arg)
         path = Path(report) if report else Path("loadtest/results") / scenario.name / "summary.json"
-        out[scenario.name] = validate(scenario, path, profile)
+        out[scenario.name] = validate(scenario, path, profile, serving_cores)
     if write is not None:
         existing: dict[str, Any] = {}
         if write.exists():

@@ -12,6 +12,9 @@ A profile times one engine alone on the machine it was measured on. A live load-
 - **Relay per token** (`relay_token_s`): each generated token crossing replica -> router -> proxy as its own
   message. It costs the replica's CPU per sequence per step, so it is added to the decode step's per-row
   term `b` (it grows with the batch; at batch 1 it adds exactly itself to TPOT).
+- **Off-step CPU per token** (`off_step_cpu_token_s`): what the replicas burn per generated token beyond the
+  steps' time, which overlaps the next step at idle and takes cores under load (pdserve.sim.host). From a
+  report's measured replica CPU (`replica_cpu_s`) at its lowest rate, less the model's step CPU there.
 
 Each is calibrated from idle measurements only: the scales from the machine check (an engine alone), the
 serving costs from the target's idle probe (one request alone) minus the scaled simulator's idle figures.
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.latency_model import DecodeModel, LatencyModel, LatencyProfile, PrefillModel
+from pdserve.sim.config import ClusterSpec
 from pdserve.sim.results import RequestRecord
 
 CTX = 1024  # the machine check's decode shapes: batch 1 and 8, 1024 tokens of context per sequence
@@ -37,14 +41,19 @@ class Calibration:
     decode_row_scale: float = 1.0
     serving_ttft_s: float = 0.0
     relay_token_s: float = 0.0
+    off_step_cpu_token_s: float = 0.0  # a replica's CPU per token outside its steps (pdserve.sim.host)
     source: str = "none"  # where the scales came from
 
     def __post_init__(self) -> None:
         for name in ("prefill_scale", "decode_fixed_scale", "decode_row_scale"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.serving_ttft_s < 0 or self.relay_token_s < 0:
-            raise ValueError("serving_ttft_s and relay_token_s must be >= 0")
+        if self.serving_ttft_s < 0 or self.relay_token_s < 0 or self.off_step_cpu_token_s < 0:
+            raise ValueError("serving_ttft_s, relay_token_s and off_step_cpu_token_s must be >= 0")
+
+    def spec(self, spec: ClusterSpec) -> ClusterSpec:
+        """The cluster with the replicas' off-step CPU on its shared cores."""
+        return dataclasses.replace(spec, off_step_cpu_token_s=self.off_step_cpu_token_s)
 
     def model(self, m: LatencyModel) -> LatencyModel:
         p, d, s = m.prefill, m.decode, self.prefill_scale
@@ -82,6 +91,12 @@ def scales_from_machine(check: Mapping[str, Any], profile: LatencyProfile) -> tu
     if f <= 0 or r <= 0:
         f = r = m8 / d.step_s(8, 8 * CTX)
     return prefill, f, r
+
+
+def off_step_cpu(measured_s: float, modelled_s: float, tokens: int) -> float:
+    """CPU seconds per generated token that the replicas spent beyond the model's steps, from one live point's
+    measured replica CPU; never negative."""
+    return max(0.0, measured_s - modelled_s) / tokens if tokens > 0 else 0.0
 
 
 def serving_costs(live_ttft_s: float, live_tpot_s: float, sim_ttft_s: float, sim_tpot_s: float) -> tuple[float, float]:

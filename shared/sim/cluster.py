@@ -23,6 +23,7 @@ from pdserve.placement.pending import PendingPlacements
 from pdserve.placement.policy import PlacementRequest, Rejection, create_policy
 from pdserve.sim.config import ClusterSpec, SimRequest
 from pdserve.sim.engine import Batch, Engine, SimSeq
+from pdserve.sim.host import OffStepLoad
 from pdserve.sim.results import RequestRecord
 
 # event priorities at equal times: replicas come up and steps end before polls, polls before arrivals
@@ -41,6 +42,7 @@ class Replica:
     num_inbound: int = 0  # handoffs on their way to it
     num_held: int = 0  # prefilled sequences whose blocks wait for their handoff
     batch: Batch | None = None
+    cpu_s: float = 0.0  # CPU seconds its steps burned: profiled time x threads (sharing stretches wall time only)
 
     @property
     def replica_id(self) -> str:
@@ -98,6 +100,7 @@ class Simulation:
         self.polled: list[list] = [[] for _ in range(router.num_routers)]
         self.with_prefixes = any(r.block_hashes for r in requests)
         self._round_robin = itertools.count()
+        self.off_step = OffStepLoad(spec.off_step_cpu_token_s)
         for role, n in (("prefill", 0 if colocated else spec.num_prefill), ("decode", spec.num_decode)):
             for _ in range(n):
                 self.add_replica(role, 0.0, 0.0)
@@ -231,7 +234,9 @@ class Simulation:
         batch = engine.schedule()
         if not batch.decodes and not batch.prefills:
             return  # waits for blocks: a handoff or a finish frees them and kicks it again
-        seconds = engine.step_time_s(batch) * self._sharing(replica)
+        profiled = engine.step_time_s(batch)
+        seconds = profiled * self._sharing(replica)
+        replica.cpu_s += profiled * self._threads(replica)
         engine.busy_until = self.now + seconds
         replica.batch = batch
         self._push(engine.busy_until, STEP, (replica, seconds))
@@ -242,15 +247,19 @@ class Simulation:
         cores = self.spec.num_cores
         if cores is None:
             return 1.0
-        busy = sum(min(r.engine.spec.num_threads, cores) for r in self.replicas
-                   if r is replica or r.engine.busy_until is not None)
-        return max(1.0, busy / cores)
+        busy = sum(self._threads(r) for r in self.replicas if r is replica or r.engine.busy_until is not None)
+        return max(1.0, (busy + self.off_step.cores(self.now)) / cores)
+
+    def _threads(self, replica: Replica) -> float:
+        cores = self.spec.num_cores
+        return replica.engine.spec.num_threads if cores is None else min(replica.engine.spec.num_threads, cores)
 
     def _step_done(self, payload: tuple[Replica, float]) -> int:
         replica, seconds = payload
         engine, batch = replica.engine, replica.batch
         engine.busy_until, replica.batch = None, None
         outcome = engine.complete(batch, self.now, seconds)  # type: ignore[arg-type]
+        replica.cpu_s += self.off_step.add(self.now, outcome.num_tokens)
         for seq in outcome.prefilled:
             replica.num_held += 1
             tokens = seq.request.prompt_tokens
@@ -303,6 +312,14 @@ class Simulation:
                                                         len(r.engine.running), r.replica_id))
                 for replica in victims[: len(active) - want]:
                     self.drain(replica)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds of every role's replicas so far: their steps and their off-step work per token (what a
+        live run's `replica_cpu_s` measures, less the replicas' idle work)."""
+        out = {"prefill": 0.0, "decode": 0.0}
+        for r in (*self.retired, *self.replicas):
+            out[r.role] += r.cpu_s
+        return out
 
     def replica_seconds(self) -> dict[str, float]:
         out = {"prefill": 0.0, "decode": 0.0}

@@ -66,6 +66,8 @@ class ClusterSpec:
     # cores every replica shares (one host); a step starting while others run takes
     # max(1, threads busy / num_cores) times its profiled time. None: each replica has its own machine
     num_cores: float | None = None
+    # CPU seconds a replica spends per generated token outside its steps (pdserve.sim.host), on those cores
+    off_step_cpu_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,6 +78,8 @@ class ClusterSpec:
             raise ValueError("startup_s must be >= 0")
         if self.num_cores is not None and not self.num_cores > 0:
             raise ValueError(f"num_cores must be > 0, got {self.num_cores}")
+        if self.off_step_cpu_token_s < 0:
+            raise ValueError(f"off_step_cpu_token_s must be >= 0, got {self.off_step_cpu_token_s}")
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from pdserve.sim.calibrate import CTX, Calibration, rel_error, scales_from_machine, serving_costs
+from pdserve.sim.calibrate import (
+    CTX,
+    Calibration,
+    off_step_cpu,
+    rel_error,
+    scales_from_machine,
+    serving_costs,
+)
 from pdserve.sim.cluster import Simulation
 from pdserve.sim.config import ClusterSpec, EngineSpec, SimRequest
+from pdserve.sim.host import OffStepLoad
 
 
 def check(profile, prefill_ratio: float, fixed: float, row: float) -> dict:
@@ -79,3 +87,46 @@ def test_calibration_is_validated():
         Calibration(prefill_scale=0)
     with pytest.raises(ValueError, match="num_cores"):
         ClusterSpec(num_cores=0)
+
+
+def test_off_step_load_is_the_last_window_of_cpu_in_cores():
+    load = OffStepLoad(0.01, window_s=1.0)
+    assert load.add(0.0, 50) == pytest.approx(0.5)
+    load.add(0.5, 50)
+    assert load.cores(0.9) == pytest.approx(1.0)
+    assert load.cores(1.2) == pytest.approx(0.5)  # the first 50 tokens left the window
+    assert load.cores(2.0) == 0.0
+    with pytest.raises(ValueError, match="cpu_per_token_s"):
+        OffStepLoad(-1.0)
+
+
+def test_off_step_cpu_is_the_measured_excess_per_token_and_never_negative():
+    assert off_step_cpu(60.0, 48.0, 4000) == pytest.approx(0.003)
+    assert off_step_cpu(40.0, 48.0, 4000) == 0.0 and off_step_cpu(60.0, 48.0, 0) == 0.0
+
+
+def test_replica_cpu_is_its_steps_plus_its_off_step_work_per_token(profile):
+    """One request alone: the engine's CPU is its prefill plus each decode step (profiled time, one thread),
+    plus the off-step cost of each of its tokens, whether or not the host's cores are shared."""
+    m = profile.for_role("decode")
+    request = SimRequest(0, 0.0, 200, 5)
+    for cores in (None, 2.0):
+        spec = ClusterSpec(mode="colocated", decode=EngineSpec(), num_cores=cores, off_step_cpu_token_s=0.002)
+        sim = Simulation(spec, profile, [request])
+        sim.run()
+        steps = m.prefill_time_s(200) + sum(m.decode.step_s(1, 200 + k) for k in range(1, 5))
+        assert sim.cpu_seconds()["decode"] == pytest.approx(steps + 5 * 0.002, rel=1e-6)
+
+
+def test_off_step_work_takes_cores_from_the_steps(profile):
+    """One one-thread replica on one core: a request's decode steps slow by the off-step load the
+    tokens of the last second put on that core; with no off-step cost (or cores of its own) they do not."""
+    requests = [SimRequest(0, 0.0, 100, 400)]
+
+    def tpot(cores, cost):
+        spec = ClusterSpec(mode="colocated", decode=EngineSpec(), num_cores=cores, off_step_cpu_token_s=cost)
+        return Simulation(spec, profile, requests).run()[0].tpot_s
+
+    assert tpot(1.0, 0.0) == pytest.approx(tpot(None, 0.005))
+    assert tpot(1.0, 0.005) > 1.4 * tpot(1.0, 0.0)
+    assert ClusterSpec(off_step_cpu_token_s=0.0) and pytest.raises(ValueError, ClusterSpec, off_step_cpu_token_s=-1)

@@ -50,6 +50,8 @@ def test_validate_puts_each_measured_figure_beside_a_prediction(monkeypatch, cap
     (["validate", "disagg-vs-colocated", "--report", "{other.json}"], "not a scenario report"),
     (["validate", "disagg-vs-colocated", "--profile", "{garbage.json}"], "not a latency profile"),
     (["validate", "disagg-vs-colocated", "--profile", "{missing}"], "cannot read profile"),
+    (["validate", "disagg-vs-colocated", "--serving-cores", "2"], "--serving-cores 2"),
+    (["validate", "disagg-vs-colocated", "--serving-cores", "-0.5"], "--serving-cores -0.5"),
 ])
 def test_validate_bad_input_is_one_line_and_exit_code_2(monkeypatch, tmp_path, capsys, argv, needle):
     monkeypatch.chdir(REPO)
@@ -106,3 +108,37 @@ def test_plan_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, need
     assert sim_main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_validate_calibrates_off_step_cpu_on_the_lowest_rate_and_checks_it_on_the_others(monkeypatch, capsys):
+    """prefix-routing's report measured its replicas' CPU per point: the off-step cost per token comes from
+    the lowest rate (where the model's CPU then equals the measured within 1%: a fixed point, three rounds),
+    and every other point's CPU is predicted beside its measurement. A report without CPU
+    (disagg-vs-colocated) gets no such cost."""
+    monkeypatch.chdir(REPO)
+    assert loadtest_main(["validate", "prefix-routing", "disagg-vs-colocated", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    prefix = printed["prefix-routing"]
+    report = json.loads((REPO / "loadtest/results/prefix-routing/summary.json").read_text())
+    for t in report["targets"]:
+        assert prefix["calibration"][t["name"]]["off_step_cpu_token_s"] > 0
+        lowest = min(p["rate"] for p in t["points"])
+        assert prefix["replica_cpu"][f"{t['name']}/{lowest:.3g}"]["model_share"] == pytest.approx(1.0, rel=0.01)
+        for p in t["points"]:
+            cpu = prefix["replica_cpu"][f"{t['name']}/{p['rate']:.3g}"]
+            assert cpu["measured_s"] == pytest.approx(p["replica_cpu_s"]["decode"])
+    assert all(c["off_step_cpu_token_s"] == 0 for c in printed["disagg-vs-colocated"]["calibration"].values())
+    assert "replica_cpu" not in printed["disagg-vs-colocated"]
+
+
+def test_serving_cores_are_taken_from_the_hosts_cores(monkeypatch, capsys):
+    """A what-if: half a core kept busy outside the replicas leaves the model 1.5 of the report's 2 cores,
+    and slows its loaded points (TPOT p90 at the highest rate rises)."""
+    monkeypatch.chdir(REPO)
+    runs = []
+    for cores in ("0", "0.5"):
+        assert loadtest_main(["validate", "router-policies", "--serving-cores", cores, "--json"]) == 0
+        runs.append(json.loads(capsys.readouterr().out)["router-policies"])
+    assert (runs[0]["num_cores"], runs[1]["num_cores"], runs[1]["serving_cores"]) == (2, 1.5, 0.5)
+    figure = "least_loaded/1/tpot_p90_ms"
+    assert runs[1]["figures"][figure]["predicted"] > runs[0]["figures"][figure]["predicted"]
