@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from pdserve.loadtest.runner import LoadConfig, Run, run_load, run_point
 from pdserve.loadtest.slo import SLO, IdleLatency, attainment, request_goodput
 from pdserve.loadtest.sweep import SweepConfig, SweepResult, find_goodput
 from pdserve.loadtest.workloads import Synthetic, TokenSource, Workload
-from pdserve.proc_cpu import ReplicaCPU
+from pdserve.proc_cpu import HostCPU, ReplicaCPU
 
 PROBE_SEED = 0x1D1E
 
@@ -32,6 +33,10 @@ class TargetResult:
     system: dict[str, Any] = field(default_factory=dict)
     # rate -> deployment -> CPU seconds its replicas burned during that run (pdserve.proc_cpu)
     cpu: dict[float, dict[str, float]] = field(default_factory=dict)
+    # rate -> {"host": CPU seconds every core spent busy, "client": this process's} during that run
+    host_cpu: dict[float, dict[str, float]] = field(default_factory=dict)
+    # CPU seconds over a quiet window before the sweep (measure_quiet_cpu): what the host burns with no load
+    quiet_cpu: dict[str, Any] | None = None
     # the machine checks measured just before this target was deployed (pdserve.loadtest.machine)
     machine: list[dict[str, Any]] = field(default_factory=list)
 
@@ -76,6 +81,16 @@ def measure_idle(base_url: str, model: str, tokens: TokenSource, workload: Workl
                        statistics.median(m.tpot_s for m in measured))
 
 
+def measure_quiet_cpu(app: str, seconds: float = 10.0) -> dict[str, Any]:
+    """The host's, this process's and the app's replicas' CPU seconds over `seconds` with no request in flight:
+    Ray's and Serve's own processes, the routers' polling, the replicas' idle loops."""
+    replicas, host = ReplicaCPU(app), HostCPU()
+    replicas.start()
+    host.start()
+    time.sleep(seconds)
+    return {"seconds": seconds, **host.stop(), "replicas": replicas.stop()}
+
+
 def sweep_target(
     name: str, base_url: str, model: str, tokens: TokenSource, workload: Workload, load: LoadConfig,
     sweep: SweepConfig, slo: SLO, out_dir: Path, *, idle: IdleLatency | None = None,
@@ -89,12 +104,15 @@ def sweep_target(
 
     def measure(rate: float) -> float:
         meter = ReplicaCPU(app) if app else None
-        if meter is not None:
+        host = HostCPU() if app else None
+        if meter is not None and host is not None:
             meter.start()
+            host.start()
         run = run_point(base_url, model, tokens, workload, load, rate=rate, progress=progress,
                         label=f"{name} @ {rate:.3g} req/s")
         result.runs[rate] = run
-        if meter is not None:
+        if meter is not None and host is not None:
+            result.host_cpu[rate] = host.stop()
             result.cpu[rate] = meter.stop()
         value = attainment(run.results, slo)
         c = run.summary.counts
@@ -102,7 +120,7 @@ def sweep_target(
             f"({c.rejected} rejected, {c.errors} errors, {c.cancelled} cancelled) in {run.duration_s:.1f} s")
         record = {"target": name, "rate": rate, "attainment": value,
                   "goodput": request_goodput(run.results, slo, run.duration_s), "slo": slo.to_dict(),
-                  "replica_cpu_s": result.cpu.get(rate), **run.to_dict()}
+                  "replica_cpu_s": result.cpu.get(rate), "host_cpu_s": result.host_cpu.get(rate), **run.to_dict()}
         (runs_dir / f"rate-{rate:.4g}.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         return value
 

@@ -65,7 +65,8 @@ def summary_dict(targets: list[TargetResult], slo: SLO, cdf_rate: float, target_
     for t in targets:
         ttft = ttft_p50_ms(t, cdf_rate)
         points = [{"rate": r, "attainment": t.sweep.points[r], "goodput": t.goodput_at(r),
-                   "replica_cpu_s": t.cpu.get(r), "summary": t.runs[r].summary.to_dict()}
+                   "replica_cpu_s": t.cpu.get(r), "host_cpu_s": t.host_cpu.get(r),
+                   "summary": t.runs[r].summary.to_dict()}
                   for r in sorted(t.sweep.points)]
         out_targets.append({
             "name": t.name, "system": t.system, "idle": t.idle.to_dict() if t.idle else None,
@@ -74,7 +75,8 @@ def summary_dict(targets: list[TargetResult], slo: SLO, cdf_rate: float, target_
             "prefix_hit_rate": overall_prefix_hit_rate(t),
             "prefix_hit_rate_at_cdf_rate": prefix_hit_rate_at(t, cdf_rate), "ttft_p50_ms": ttft,
             "ttft_p50_vs_baseline": ratio(ttft, base_ttft) if ttft is not None and base_ttft else None,
-            "replica_cpu_s_per_request_at_cdf_rate": t.cpu_per_request(cdf_rate), "machine": t.machine,
+            "replica_cpu_s_per_request_at_cdf_rate": t.cpu_per_request(cdf_rate), "quiet_cpu_s": t.quiet_cpu,
+            "machine": t.machine,
             "points": points,
         })
     return {

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.loadtest.client import new_client, served_model
-from pdserve.loadtest.evaluate import TargetResult, measure_idle, sweep_target
+from pdserve.loadtest.evaluate import TargetResult, measure_idle, measure_quiet_cpu, sweep_target
 from pdserve.loadtest.provenance import provenance
 from pdserve.loadtest.runner import LoadConfig
 from pdserve.loadtest.slo import SLOSpec
@@ -153,9 +153,10 @@ def run_scenario(
                     slo = slo_spec.resolve(idle)
                     log(f"SLO (from {target.name}): TTFT <= {slo.ttft_s * 1e3:.0f} ms, "
                         f"TPOT <= {slo.tpot_s * 1e3:.1f} ms")
+                quiet = measure_quiet_cpu(app)
                 result = sweep_target(target.name, url, name, tokens, work, load, sweep, slo, out_dir,
                                       idle=idle, progress=progress, log=log, app=app)
-                result.system, result.machine = system, checks
+                result.system, result.machine, result.quiet_cpu = system, checks, quiet
                 results.append(result)
                 log(f"[{target.name}] goodput {result.sweep.goodput:.3g} req/s"
                     + (" (every rate passed: at least)" if result.sweep.capped else ""))

@@ -29,7 +29,7 @@ from pdserve.loadtest.scenario import Scenario
 from pdserve.loadtest.slo import SLO
 from pdserve.loadtest.sweep import SweepConfig, find_goodput
 from pdserve.loadtest.workloads import Workload, workload
-from pdserve.sim.calibrate import Calibration, off_step_cpu, rel_error, scales_from_machine, serving_costs
+from pdserve.sim.calibrate import CPUAccount, Calibration, rel_error, scales_from_machine, serving_costs
 from pdserve.sim.cluster import Simulation
 from pdserve.sim.config import ClusterSpec
 from pdserve.sim.results import aggregate
@@ -114,16 +114,20 @@ class Model:
         ttft, relay = serving_costs(live["ttft_ms"] / 1e3, live["tpot_ms"] / 1e3, sim.ttft_s, sim.tpot_s)
         cal = Calibration(*scales, serving_ttft_s=ttft, relay_token_s=relay, source=source)
         low = min(target["points"], key=lambda p: p["rate"])
-        cpu = low.get("replica_cpu_s") or {}
-        if not any(role in cpu for role in ("prefill", "decode")):
+        account = CPUAccount.of(low, target.get("quiet_cpu_s"))
+        if account is None:
             return cal
-        tokens = sum(r.output_tokens for r in requests_for(self.work, self.load, low["rate"], spec.decode.block_size))
-        live = sum(v for role, v in cpu.items() if role in ("prefill", "decode"))
+        tokens = self.tokens(spec, low["rate"])
         for _ in range(3):  # the off-step load changes the steps' batching, and so their CPU: a fixed point
             _, modelled = self.simulate(spec, cal, low["rate"])
             steps = sum(modelled.values()) - tokens * cal.off_step_cpu_token_s
-            cal = dataclasses.replace(cal, off_step_cpu_token_s=off_step_cpu(live, steps, tokens))
+            off_step, serving, background = account.costs(steps, tokens)
+            cal = dataclasses.replace(cal, off_step_cpu_token_s=off_step, serving_cpu_token_s=serving,
+                                      background_cores=background)
         return cal
+
+    def tokens(self, spec: ClusterSpec, rate: float) -> int:
+        return sum(r.output_tokens for r in requests_for(self.work, self.load, rate, spec.decode.block_size))
 
     def fit_scales(self, target: dict[str, Any]) -> tuple[tuple[float, float, float], float]:
         """((prefill, decode, decode) scales, error): on a grid, the pair whose calibration best fits the
@@ -149,26 +153,29 @@ def compare(predicted: dict[str, Any], summary: dict[str, Any]) -> dict[str, dic
     return out
 
 
-def compare_cpu(simulated: dict[str, float], measured: dict[str, float] | None,
-                summary: dict[str, Any]) -> dict[str, float] | None:
-    """The engines' CPU in the model against the replicas' CPU the live point measured (pdserve.proc_cpu),
-    and what the live run spent beyond the model's steps, in cores over the point's duration: the replicas'
-    work between steps, and the router's."""
-    if not measured:
-        return None
-    live = sum(v for role, v in measured.items() if role in ("prefill", "decode"))
-    model = sum(simulated.values())
-    duration = float(summary.get("duration_s") or 0.0)
-    return {"predicted_s": model, "measured_s": live, "model_share": model / live if live else 0.0,
-            "unmodelled_replica_cores": (live - model) / duration if duration else 0.0,
-            "router_cores": measured.get("router", 0.0) / duration if duration else 0.0}
+def compare_cpu(replicas_s: float, tokens: int, cal: Calibration, account: CPUAccount) -> dict[str, float]:
+    """The replicas' CPU in the model (their steps and off-step work, plus their quiet rate over the live
+    point's duration) beside the measured; and the host's, where the report measured it."""
+    d = account.duration_s
+    model = replicas_s + account.quiet_replica_cores * d
+    out = {"predicted_s": model, "measured_s": account.replicas_s,
+           "model_share": model / account.replicas_s if account.replicas_s else 0.0}
+    if account.host_s is not None:
+        rest = cal.background_cores - account.quiet_replica_cores if account.quiet_host_cores is not None else 0.0
+        host = model + cal.serving_cpu_token_s * tokens + rest * d
+        out |= {"host_predicted_s": host, "host_measured_s": account.host_s,
+                "host_model_share": host / account.host_s if account.host_s else 0.0}
+    return out
 
 
 def cpu_summary(replica_cpu: dict[str, dict[str, float]]) -> dict[str, Any]:
     if not replica_cpu:
         return {}
     shares = [v["model_share"] for v in replica_cpu.values()]
-    return {"replica_cpu": replica_cpu, "replica_cpu_model_share": {"min": min(shares), "max": max(shares)}}
+    out = {"replica_cpu": replica_cpu, "replica_cpu_model_share": {"min": min(shares), "max": max(shares)}}
+    if host := [v["host_model_share"] for v in replica_cpu.values() if "host_model_share" in v]:
+        out["host_cpu_model_share"] = {"min": min(host), "max": max(host)}
+    return out
 
 
 def _profile_path(scenario: Scenario, report: dict[str, Any]) -> str:
@@ -216,8 +223,9 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
             predicted, cpu = model.simulate(spec, cal, rate)
             for fig, value in compare(predicted, point["summary"]).items():
                 figures[f"{name}/{rate:.3g}/{fig}"] = value
-            if measured_cpu := compare_cpu(cpu, point.get("replica_cpu_s"), point["summary"]):
-                replica_cpu[f"{name}/{rate:.3g}"] = measured_cpu
+            if account := CPUAccount.of(point, target.get("quiet_cpu_s")):
+                replica_cpu[f"{name}/{rate:.3g}"] = compare_cpu(sum(cpu.values()), model.tokens(spec, rate),
+                                                                 cal, account)
 
         def attainment(rate: float, spec: ClusterSpec = spec, cal: Calibration = cal) -> float:
             return model.point(spec, cal, rate)["slo_attainment"]

@@ -58,3 +58,34 @@ class ReplicaCPU:
             if after is not None:
                 out[self._pids[pid]] = out.get(self._pids[pid], 0.0) + after - before
         return dict(sorted(out.items()))
+
+
+def host_busy_seconds() -> float | None:
+    """CPU seconds every core of the host has spent busy since boot (/proc/stat: all but idle and iowait);
+    None where /proc is absent."""
+    try:
+        fields = (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class HostCPU:
+    """What the whole host and this process (the load client, in pdserve-loadtest) burned between `start()`
+    and `stop()`, in CPU seconds; beside ReplicaCPU it says what the replicas' hosts spent outside them."""
+
+    def start(self) -> None:
+        self._host, self._own = host_busy_seconds(), _own_seconds()
+
+    def stop(self) -> dict[str, float]:
+        host = host_busy_seconds()
+        out = {"client": _own_seconds() - self._own}
+        if host is not None and self._host is not None:
+            out["host"] = host - self._host
+        return out
+
+
+def _own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system

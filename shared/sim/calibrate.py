@@ -42,18 +42,24 @@ class Calibration:
     serving_ttft_s: float = 0.0
     relay_token_s: float = 0.0
     off_step_cpu_token_s: float = 0.0  # a replica's CPU per token outside its steps (pdserve.sim.host)
+    serving_cpu_token_s: float = 0.0  # the host's CPU per token outside the replicas (proxy, router, client)
+    background_cores: float = 0.0  # what the host burns with no load (Ray, Serve, idle loops), in cores
     source: str = "none"  # where the scales came from
 
     def __post_init__(self) -> None:
         for name in ("prefill_scale", "decode_fixed_scale", "decode_row_scale"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.serving_ttft_s < 0 or self.relay_token_s < 0 or self.off_step_cpu_token_s < 0:
-            raise ValueError("serving_ttft_s, relay_token_s and off_step_cpu_token_s must be >= 0")
+        for name in ("serving_ttft_s", "relay_token_s", "off_step_cpu_token_s", "serving_cpu_token_s",
+                     "background_cores"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def spec(self, spec: ClusterSpec) -> ClusterSpec:
         """The cluster with the replicas' off-step CPU on its shared cores."""
-        return dataclasses.replace(spec, off_step_cpu_token_s=self.off_step_cpu_token_s)
+        return dataclasses.replace(spec, off_step_cpu_token_s=self.off_step_cpu_token_s,
+                                   serving_cpu_token_s=self.serving_cpu_token_s,
+                                   background_cores=self.background_cores)
 
     def model(self, m: LatencyModel) -> LatencyModel:
         p, d, s = m.prefill, m.decode, self.prefill_scale
@@ -97,6 +103,45 @@ def off_step_cpu(measured_s: float, modelled_s: float, tokens: int) -> float:
     """CPU seconds per generated token that the replicas spent beyond the model's steps, from one live point's
     measured replica CPU; never negative."""
     return max(0.0, measured_s - modelled_s) / tokens if tokens > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class CPUAccount:
+    """One live point's CPU as a report measured it (pdserve.proc_cpu): the replicas' (prefill and decode),
+    the whole host's when recorded, and the target's quiet window before its sweep when recorded."""
+
+    duration_s: float
+    replicas_s: float
+    host_s: float | None = None
+    quiet_replica_cores: float = 0.0
+    quiet_host_cores: float | None = None
+
+    @classmethod
+    def of(cls, point: Mapping[str, Any], quiet: Mapping[str, Any] | None) -> CPUAccount | None:
+        cpu = point.get("replica_cpu_s") or {}
+        if not any(role in cpu for role in ("prefill", "decode")):
+            return None
+        host = (point.get("host_cpu_s") or {}).get("host")
+        q_replicas, q_host = 0.0, None
+        if quiet and quiet.get("seconds"):
+            q_replicas = sum(v for r, v in (quiet.get("replicas") or {}).items() if r in ("prefill", "decode"))
+            q_replicas /= quiet["seconds"]
+            q_host = quiet["host"] / quiet["seconds"] if "host" in quiet else None
+        return cls(float(point["summary"]["duration_s"]), sum(v for r, v in cpu.items() if r in ("prefill", "decode")),
+                   host, q_replicas, q_host)
+
+    def costs(self, steps_s: float, tokens: int) -> tuple[float, float, float]:
+        """(off_step_cpu_token_s, serving_cpu_token_s, background_cores) given the model's step CPU for the
+        point: the replicas' CPU beyond their steps and their quiet rate, per token; the host's beyond the
+        replicas' and its quiet rate, per token; the quiet host's cores. Without a host figure the last two
+        are 0; without a quiet window the host's excess is all per token."""
+        d = self.duration_s
+        off_step = off_step_cpu(self.replicas_s - self.quiet_replica_cores * d, steps_s, tokens)
+        if self.host_s is None:
+            return off_step, 0.0, 0.0
+        quiet_rest = 0.0 if self.quiet_host_cores is None else (self.quiet_host_cores - self.quiet_replica_cores) * d
+        serving = off_step_cpu(self.host_s - quiet_rest, self.replicas_s, tokens)
+        return off_step, serving, self.quiet_host_cores or 0.0
 
 
 def serving_costs(live_ttft_s: float, live_tpot_s: float, sim_ttft_s: float, sim_tpot_s: float) -> tuple[float, float]:

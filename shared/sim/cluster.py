@@ -100,7 +100,7 @@ class Simulation:
         self.polled: list[list] = [[] for _ in range(router.num_routers)]
         self.with_prefixes = any(r.block_hashes for r in requests)
         self._round_robin = itertools.count()
-        self.off_step = OffStepLoad(spec.off_step_cpu_token_s)
+        self.off_step = OffStepLoad(spec.off_step_cpu_token_s + spec.serving_cpu_token_s)
         for role, n in (("prefill", 0 if colocated else spec.num_prefill), ("decode", spec.num_decode)):
             for _ in range(n):
                 self.add_replica(role, 0.0, 0.0)
@@ -248,7 +248,7 @@ class Simulation:
         if cores is None:
             return 1.0
         busy = sum(self._threads(r) for r in self.replicas if r is replica or r.engine.busy_until is not None)
-        return max(1.0, (busy + self.off_step.cores(self.now)) / cores)
+        return max(1.0, (busy + self.off_step.cores(self.now) + self.spec.background_cores) / cores)
 
     def _threads(self, replica: Replica) -> float:
         cores = self.spec.num_cores
@@ -259,7 +259,8 @@ class Simulation:
         engine, batch = replica.engine, replica.batch
         engine.busy_until, replica.batch = None, None
         outcome = engine.complete(batch, self.now, seconds)  # type: ignore[arg-type]
-        replica.cpu_s += self.off_step.add(self.now, outcome.num_tokens)
+        self.off_step.add(self.now, outcome.num_tokens)
+        replica.cpu_s += outcome.num_tokens * self.spec.off_step_cpu_token_s
         for seq in outcome.prefilled:
             replica.num_held += 1
             tokens = seq.request.prompt_tokens

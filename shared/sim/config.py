@@ -68,6 +68,10 @@ class ClusterSpec:
     num_cores: float | None = None
     # CPU seconds a replica spends per generated token outside its steps (pdserve.sim.host), on those cores
     off_step_cpu_token_s: float = 0.0
+    # and what the rest of the host burns there: per generated token (Serve proxy, router, load client), and
+    # all the time (Ray's processes, idle loops), in cores
+    serving_cpu_token_s: float = 0.0
+    background_cores: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -78,8 +82,9 @@ class ClusterSpec:
             raise ValueError("startup_s must be >= 0")
         if self.num_cores is not None and not self.num_cores > 0:
             raise ValueError(f"num_cores must be > 0, got {self.num_cores}")
-        if self.off_step_cpu_token_s < 0:
-            raise ValueError(f"off_step_cpu_token_s must be >= 0, got {self.off_step_cpu_token_s}")
+        for name in ("off_step_cpu_token_s", "serving_cpu_token_s", "background_cores"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

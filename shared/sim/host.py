@@ -1,10 +1,10 @@
-"""The replicas' CPU beyond their engine steps, on a host whose cores they share.
+"""CPU beyond the engine steps, per generated token, on a host whose cores the replicas share.
 
 A live replica spends CPU per generated token outside the step it times: detokenising, streaming the
-token to the router, its event loop. On an idle host that work overlaps the next step on a free core and
-adds nothing to latency; once the cores are busy it takes capacity from every step. `OffStepLoad` keeps
-that work over a sliding window and reports it in cores, which `Simulation._sharing` adds to the busy
-steps' threads.
+token to the router, its event loop; the router, the Serve proxy and the load client spend more on the
+same token. On an idle host that work overlaps the next step on a free core and adds nothing to latency;
+once the cores are busy it takes capacity from every step. `OffStepLoad` keeps that work over a sliding
+window and reports it in cores, which `Simulation._sharing` adds to the busy steps' threads.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pdserve.proc_cpu import PROC, ReplicaCPU, cpu_seconds, serve_replica_pids
+from pdserve.proc_cpu import PROC, HostCPU, ReplicaCPU, cpu_seconds, host_busy_seconds, serve_replica_pids
 
 pytestmark = pytest.mark.skipif(not PROC.is_dir(), reason="needs /proc")
 
@@ -53,3 +53,20 @@ def test_an_app_with_no_replica_gives_nothing():
     meter = ReplicaCPU("noapp")
     meter.start()
     assert meter.stop() == {}
+
+
+def test_host_cpu_counts_a_busy_child_on_the_host_and_this_process_as_the_client():
+    """A child spinning for 1.5 s shows in the host's busy seconds (at least most of a core), not in this
+    process's; this process spinning 0.5 s shows in both."""
+    meter = HostCPU()
+    meter.start()
+    child = subprocess.Popen([sys.executable, "-c", "import time; t = time.monotonic()\n"
+                              "while time.monotonic() - t < 1.5: pass"])
+    child.wait(30)
+    t = time.process_time()
+    while time.process_time() - t < 0.5:
+        pass
+    out = meter.stop()
+    assert 0.4 <= out["client"] < 1.2
+    assert out["host"] >= 1.5 + 0.4 - 0.3  # the child's 1.5 s and ours 0.5 s, less a tick's slack each
+    assert host_busy_seconds() > 0

@@ -6,6 +6,7 @@ import pytest
 from pdserve.sim.calibrate import (
     CTX,
     Calibration,
+    CPUAccount,
     off_step_cpu,
     rel_error,
     scales_from_machine,
@@ -130,3 +131,30 @@ def test_off_step_work_takes_cores_from_the_steps(profile):
     assert tpot(1.0, 0.0) == pytest.approx(tpot(None, 0.005))
     assert tpot(1.0, 0.005) > 1.4 * tpot(1.0, 0.0)
     assert ClusterSpec(off_step_cpu_token_s=0.0) and pytest.raises(ValueError, ClusterSpec, off_step_cpu_token_s=-1)
+
+
+def test_cpu_account_splits_the_hosts_cpu_into_replicas_serving_and_background():
+    """A 100 s point, 4,000 tokens: the replicas burned 70 s (0.1 cores of it their quiet rate, 40 s their
+    steps), the host 120 s (0.3 cores of it its quiet rate). Off-step: (70 - 10 - 40) / 4000; serving:
+    (120 - 70 - (0.3 - 0.1) x 100) / 4000; background: the quiet host's 0.3 cores."""
+    point = {"summary": {"duration_s": 100.0}, "replica_cpu_s": {"decode": 50.0, "prefill": 20.0, "router": 5.0},
+             "host_cpu_s": {"host": 120.0, "client": 4.0}}
+    quiet = {"seconds": 10.0, "host": 3.0, "client": 0.0, "replicas": {"decode": 0.6, "prefill": 0.4, "router": 0.5}}
+    account = CPUAccount.of(point, quiet)
+    assert account.costs(40.0, 4000) == pytest.approx((0.005, 0.0075, 0.3))
+    no_quiet = CPUAccount.of(point, None)  # the host's excess is all per token
+    assert no_quiet.costs(40.0, 4000) == pytest.approx((0.0075, 0.0125, 0.0))
+    replicas_only = CPUAccount.of({**point, "host_cpu_s": None}, None)  # as the committed reports
+    assert replicas_only.costs(40.0, 4000) == pytest.approx((0.0075, 0.0, 0.0))
+    assert CPUAccount.of({**point, "replica_cpu_s": None}, quiet) is None
+
+
+def test_background_cores_slow_every_step_on_a_shared_host(profile):
+    """Half a core always busy on a one-core host: a lone request's steps take 1.5 times as long."""
+    def ttft(background):
+        spec = ClusterSpec(mode="colocated", decode=EngineSpec(), num_cores=1.0, background_cores=background)
+        return Simulation(spec, profile, [SimRequest(0, 0.0, 500, 1)]).run()[0].ttft_s
+
+    assert ttft(0.5) == pytest.approx(1.5 * ttft(0.0))
+    with pytest.raises(ValueError, match="background_cores"):
+        ClusterSpec(background_cores=-0.1)
