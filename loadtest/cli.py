@@ -95,7 +95,9 @@ def parser() -> argparse.ArgumentParser:
                               "measured TTFT/TPOT p50/p90 per point and goodput per target (no server)")
     validate.add_argument("scenarios", nargs="+", metavar="SCENARIO",
                           help="a scenario YAML or a committed scenario's name (router-policies, ...)")
-    validate.add_argument("--report", help="the live report (default loadtest/results/<name>/summary.json)")
+    validate.add_argument("--report", action="append", help="a live report; repeat it for repeated runs, "
+                          "combined per figure (default loadtest/results/<name>/run-*/summary.json, else "
+                          "loadtest/results/<name>/summary.json)")
     validate.add_argument("--profile", help="latency profile (default: the one the report's run named)")
     validate.add_argument("--write", nargs="?", type=Path, const=Path("loadtest/results/simulator-validation.json"),
                           help="also merge the result into this file (default path: %(const)s)")

@@ -249,15 +249,19 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
     }
 
 
-def validate_main(names: list[str], report: str | None, profile: str | None, write: Path | None,
+def validate_main(names: list[str], reports: list[str] | None, profile: str | None, write: Path | None,
                   serving_cores: float = 0.0) -> dict[str, Any]:
-    if report is not None and len(names) != 1:
+    """`reports`: one scenario's live reports (several: repeated runs, combined); default
+    loadtest/results/<name>/run-*/summary.json, else loadtest/results/<name>/summary.json."""
+    from pdserve.loadtest.validation_runs import combine, report_paths
+
+    if reports and len(names) != 1:
         raise ValueError("--report goes with exactly one scenario")
     out: dict[str, Any] = {}
     for arg in names:
         scenario = load_scenario(arg)
-        path = Path(report) if report else Path("loadtest/results") / scenario.name / "summary.json"
-        out[scenario.name] = validate(scenario, path, profile, serving_cores)
+        paths = [Path(r) for r in reports] if reports else report_paths(Path("loadtest/results") / scenario.name)
+        out[scenario.name] = combine([validate(scenario, path, profile, serving_cores) for path in paths])
     if write is not None:
         existing: dict[str, Any] = {}
         if write.exists():

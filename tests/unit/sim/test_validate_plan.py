@@ -142,3 +142,35 @@ def test_serving_cores_are_taken_from_the_hosts_cores(monkeypatch, capsys):
     assert (runs[0]["num_cores"], runs[1]["num_cores"], runs[1]["serving_cores"]) == (2, 1.5, 0.5)
     figure = "least_loaded/1/tpot_p90_ms"
     assert runs[1]["figures"][figure]["predicted"] > runs[0]["figures"][figure]["predicted"]
+
+
+def test_repeated_runs_are_combined_per_figure_as_medians_with_their_ranges():
+    from pdserve.loadtest.validation_runs import combine
+
+    def run(measured, predicted):
+        return {"figures": {"a/1/ttft_p50_ms": {"predicted": predicted, "measured": measured}}, "report": "r",
+                "max_abs_rel_error": abs(predicted - measured) / measured}
+
+    out = combine([run(100.0, 110.0), run(140.0, 120.0), run(90.0, 100.0)])
+    fig = out["figures"]["a/1/ttft_p50_ms"]
+    assert (fig["measured"], fig["predicted"]) == (100.0, 110.0)
+    assert fig["measured_range"] == [90.0, 140.0] and fig["predicted_range"] == [100.0, 120.0]
+    assert fig["measured_spread"] == pytest.approx(0.25) and fig["within_measured_range"]
+    assert fig["rel_error"] == pytest.approx(0.1) and out["max_abs_rel_error"] == pytest.approx(0.1)
+    assert (out["repetitions"], out["num_within_target"], out["num_measured_spread_over_target"]) == (3, 1, 1)
+    single = run(100.0, 110.0)
+    assert combine([single]) is single
+
+
+def test_validate_takes_a_report_per_repetition(monkeypatch, capsys):
+    """`--report` twice: the same report twice combines to the single report's figures, with no spread."""
+    monkeypatch.chdir(REPO)
+    assert loadtest_main(["validate", "disagg-vs-colocated", "--report", str(REPORT), "--json"]) == 0
+    once = json.loads(capsys.readouterr().out)["disagg-vs-colocated"]
+    assert loadtest_main(["validate", "disagg-vs-colocated", "--report", str(REPORT), "--report", str(REPORT),
+                          "--json"]) == 0
+    twice = json.loads(capsys.readouterr().out)["disagg-vs-colocated"]
+    assert twice["repetitions"] == 2 and twice["max_measured_spread"] == 0.0
+    assert {k: v["predicted"] for k, v in twice["figures"].items()} == \
+        {k: v["predicted"] for k, v in once["figures"].items()}
+    assert twice["max_abs_rel_error"] == pytest.approx(once["max_abs_rel_error"])
