@@ -47,6 +47,10 @@ def test_smoke_scenario_end_to_end(ray_serve, tmp_path):
             assert all(r["output_tokens"] == r["expected_output_len"] for r in done)  # exact output lengths
             assert 0.0 <= point["attainment"] <= 1.0
             assert point["replica_cpu_s"]["decode"] > 0  # the target's own replica processes, read from /proc
+            host = point["host_cpu_s"]  # every core's busy time covers the replicas' and the client's
+            assert host["host"] >= point["replica_cpu_s"]["decode"] and host["client"] > 0
+        quiet = target["quiet_cpu_s"]
+        assert quiet["seconds"] == 10.0 and 0 <= quiet["host"] < 2 * quiet["seconds"] and "decode" in quiet["replicas"]
 
     md = (tmp_path / "summary.md").read_text()
     assert "## Verdict" in md and "![attainment_vs_rate](attainment_vs_rate.png)" in md
