@@ -13,11 +13,14 @@ A profile times one engine alone on the machine it was measured on. A live load-
   message. It costs the replica's CPU per sequence per step, so it is added to the decode step's per-row
   term `b` (it grows with the batch; at batch 1 it adds exactly itself to TPOT).
 - **Off-step CPU per token** (`off_step_cpu_token_s`): what the replicas burn per generated token beyond the
-  steps' time, which overlaps the next step at idle and takes cores under load (pdserve.sim.host). From a
-  report's measured replica CPU (`replica_cpu_s`) at its lowest rate, less the model's step CPU there.
+  steps' time, which overlaps the next step at idle and takes cores under load (pdserve.sim.host); and
+  what the rest of the host burns per token (`serving_cpu_token_s`: router, Serve proxy, load client) and
+  all the time (`background_cores`). `CPUAccount` takes them from a report's measured CPU.
 
-Each is calibrated from idle measurements only: the scales from the machine check (an engine alone), the
-serving costs from the target's idle probe (one request alone) minus the scaled simulator's idle figures.
+The scales and serving costs are calibrated from idle measurements only: the scales from the machine
+check (an engine alone), the serving costs from the target's idle probe (one request alone) minus the
+scaled simulator's idle figures. The CPU terms come from the target's lowest-rate point and its quiet
+window (validate then compares the model's CPU with the measured at the other rates).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class Calibration:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def spec(self, spec: ClusterSpec) -> ClusterSpec:
-        """The cluster with the replicas' off-step CPU on its shared cores."""
+        """The cluster with the off-step, serving and background CPU on its shared cores."""
         return dataclasses.replace(spec, off_step_cpu_token_s=self.off_step_cpu_token_s,
                                    serving_cpu_token_s=self.serving_cpu_token_s,
                                    background_cores=self.background_cores)
