@@ -136,7 +136,8 @@ def test_sigterm_stops_pdserve_serve_like_ctrl_c_and_leaves_no_process(tmp_path)
     descendants: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 150
-        while "pdserve is serving" not in log_path.read_text() or _get(f"http://127.0.0.1:{port}/health") != 200:
+        while "pdserve is serving" not in (tmp_path / "serve.log").read_text() or _get(
+                f"http://127.0.0.1:{port}/health") != 200:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "pdserve serve did not become healthy"
             time.sleep(1)
