@@ -103,17 +103,15 @@ def sweep_target(
     runs_dir.mkdir(parents=True, exist_ok=True)
 
     def measure(rate: float) -> float:
-        meter = ReplicaCPU(app) if app else None
-        host = HostCPU() if app else None
-        if meter is not None and host is not None:
-            meter.start()
-            host.start()
+        meters = (ReplicaCPU(app), HostCPU()) if app else None
+        if meters is not None:
+            for m in meters:
+                m.start()
         run = run_point(base_url, model, tokens, workload, load, rate=rate, progress=progress,
                         label=f"{name} @ {rate:.3g} req/s")
         result.runs[rate] = run
-        if meter is not None and host is not None:
-            result.host_cpu[rate] = host.stop()
-            result.cpu[rate] = meter.stop()
+        if meters is not None:
+            result.cpu[rate], result.host_cpu[rate] = meters[0].stop(), meters[1].stop()
         value = attainment(run.results, slo)
         c = run.summary.counts
         log(f"  {name} @ {rate:.3g} req/s: attainment {value:.0%}, {c.completed}/{c.total} completed "
