@@ -30,8 +30,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"],
                    help="KV cache values on both roles: auto (the model dtype, default), int8 or fp8_e4m3")
     p.add_argument("--quantization", choices=["none", "auto", "int8", "int4", "fp8"],
-                   help="weight-only linears on both roles (the config file can set each role's): none (default, "
-                   "the model dtype), auto (a GGUF's Q4/Q8 tensors as stored), int8, int4, fp8 (GPU only)")
+                   help="weight-only linears on both roles (the config file can set each role's): auto (default: a "
+                   "GGUF's Q4/Q8 tensors as stored, a float checkpoint in its dtype; tensor-parallel ranks in the "
+                   "model dtype), none (the model dtype), int8, int4, fp8 (GPU only)")
     p.add_argument("--tensor-parallel-size", type=int,
                    help="ranks per replica on both roles (the config file can set each role's; CPU, gloo); the "
                    "roles may differ, and KV moves between them in the whole model's layout")

@@ -15,7 +15,7 @@ def _roles(config) -> tuple[str, ...]:
 
 def quantizations(config) -> dict[str, str]:
     """role -> the weight quantization its replicas serve (the roles this mode runs)."""
-    return {role: getattr(config, role).get("quantization", "none") for role in _roles(config)}
+    return {role: getattr(config, role).get("quantization", "auto") for role in _roles(config)}
 
 
 def tensor_parallel_sizes(config) -> dict[str, int]:
@@ -26,7 +26,10 @@ def tensor_parallel_sizes(config) -> dict[str, int]:
 def check_quantization(config) -> None:
     """Refuses, before Redis or Ray starts, a quantization a role's model cannot be served in (the
     tensor and the reason); ConfigError."""
-    asked = {(getattr(config, role).get("model", config.model), q) for role, q in quantizations(config).items()}
+    sizes = tensor_parallel_sizes(config)
+    # auto on tensor-parallel ranks serves the model dtype (pdserve.config.EngineConfig.weight_quantization)
+    asked = {(getattr(config, role).get("model", config.model), q) for role, q in quantizations(config).items()
+             if not (q == "auto" and sizes[role] > 1)}
     if all(q == "none" for _, q in asked):
         return  # nothing to check: no torch import on the default path
     from pdserve.models.served import check_quantization as check

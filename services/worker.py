@@ -44,12 +44,13 @@ class WorkerConfig(BaseModel):
     # None: float32 on CPU (bfloat16 on CUDA); "auto": bfloat16 where the CPU has AVX-512 BF16 or AMX-BF16
     # (or on CUDA), float32 elsewhere (pdserve.cpu_caps)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
-    # weight-only linears (pdserve.models.quant_load): none (the model dtype) | auto (a GGUF's Q4_x / Q8_0
-    # tensors as stored) | int8 | int4 | fp8 (needs a GPU with FP8)
-    quantization: Literal["none", "auto", "int8", "int4", "fp8"] = "none"
+    # weight-only linears (pdserve.models.quant_load): auto (a GGUF's Q4_x / Q8_0 tensors as stored, float
+    # checkpoints in their dtype; tensor-parallel ranks in the model dtype) | none (the model dtype) | int8 |
+    # int4 | fp8 (needs a GPU with FP8)
+    quantization: Literal["none", "auto", "int8", "int4", "fp8"] = "auto"
     # ranks of one replica splitting every layer (pdserve.models.tensor_parallel): the replica's process and
-    # tensor_parallel_size - 1 more, each with num_cpus threads. CPU (gloo) and unquantized weights only, and
-    # no KV handoff yet: SystemConfig refuses > 1 on a role that hands KV off (disaggregated mode)
+    # tensor_parallel_size - 1 more, each with num_cpus threads. CPU (gloo) and unquantized weights only
+    # (quantization auto serves the model dtype there)
     tensor_parallel_size: int = Field(1, ge=1)
     block_size: int = Field(16, ge=1)
     kv_memory_bytes: int = Field(256 << 20, ge=1 << 20)
@@ -117,7 +118,7 @@ class WorkerConfig(BaseModel):
         if value > 1 and not device.startswith("cpu"):
             raise ValueError(f"above 1 the ranks run on CPU over gloo only; device {device!r} would need "
                              "NCCL, which is not wired yet")
-        if value > 1 and quantization != "none":
+        if value > 1 and quantization not in ("none", "auto"):
             raise ValueError(f"above 1 the ranks serve unquantized weights only, not quantization "
                              f"{quantization!r} (quantized linears would need block-aligned shards)")
         return value

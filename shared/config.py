@@ -105,9 +105,15 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and (self.quantization != "none" or not self.device.startswith("cpu")):
+        if self.tensor_parallel_size > 1 and (self.weight_quantization != "none" or not self.device.startswith("cpu")):
             raise ValueError("tensor_parallel_size > 1 runs unquantized weights on CPU (gloo) only, got "
                              f"quantization={self.quantization!r} on device {self.device!r}")
+
+    @property
+    def weight_quantization(self) -> str:
+        """What the linears are loaded as: `auto` on tensor-parallel ranks is the model dtype (quantized
+        linears are not split across ranks)."""
+        return "none" if self.quantization == "auto" and self.tensor_parallel_size > 1 else self.quantization
 
     @property
     def resolved_dtype(self) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from pdserve.runtime.ports import FREE, TIME_WAIT_S, port_state
 
 # llama.cpp's C++ server in-process: binds loopback, serves until SIGINT/SIGTERM
 _LLAMA_CPP_LAUNCH = """
@@ -51,10 +52,13 @@ class Server(ABC):
         return proc.pid == self.proc.pid
 
     def __enter__(self) -> Server:
-        deadline = time.monotonic() + 60  # the previous server's last processes may still be letting go of it
-        while not _port_free(self.url):
+        # free of the previous server's processes and of its connections' TIME_WAIT too, before the clock
+        # starts: `pdserve serve` waits that out itself (pdserve.runtime.ports), which is not start-up time
+        deadline = time.monotonic() + TIME_WAIT_S + 10
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        while (state := port_state(host, int(port))) != FREE:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.url} is already taken: stop what listens there first")
+                raise RuntimeError(f"{self.url} is still {state}: stop what listens there first")
             time.sleep(0.5)
         # a session of its own: the whole tree is found by session id and stopped as a group
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -170,23 +174,6 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except ProcessLookupError:  # every process of the group has exited already
         pass
-
-
-def _port_free(url: str) -> bool:
-    """Nothing listens on the port and a server may bind it (as servers do, with SO_REUSEADDR)."""
-    import socket
-
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    with socket.socket() as sock:
-        if sock.connect_ex((host, int(port))) == 0:
-            return False
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, int(port)))
-        except OSError:
-            return False
-    return True
 
 
 def process_memory(processes: list[psutil.Process], is_worker: Callable[[psutil.Process], bool]) -> dict[str, Any]:

@@ -54,10 +54,12 @@ class LLMEngine(EngineLeases):
             check_tensor_parallel(load_model_config(model_dir), tp)  # refused before any weight is read
         model, self.model_config = load_model(
             model_dir, config.torch_dtype, config.device, max_positions=max_len,
-            pack_weights=config.pack_weights and tp == 1, quantization=config.quantization,
+            pack_weights=config.pack_weights and tp == 1, quantization=config.weight_quantization,
         )
-        self.served_weights = served_line(model, self.model_config, model_dir, config.quantization,
+        self.served_weights = served_line(model, self.model_config, model_dir, config.weight_quantization,
                                           config.resolved_dtype, config.dtype, config.device)
+        if config.weight_quantization != config.quantization:
+            self.served_weights = f"quantization auto on {tp} tensor-parallel ranks: model dtype; {self.served_weights}"
         logger.info("%s", self.served_weights)
         self.max_model_len = max_len or self.model_config.max_position_embeddings
         if self.model_config.sliding_window:

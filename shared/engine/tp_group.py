@@ -51,7 +51,7 @@ class TensorParallelError(RuntimeError):
 def worker_settings(config: EngineConfig) -> dict[str, Any]:
     """The EngineConfig fields a worker rank reads, as JSON (a rank's arguments travel on its stdin)."""
     return {"model": config.model, "device": config.device, "dtype": config.resolved_dtype,
-            "quantization": config.quantization, "pack_weights": config.pack_weights,
+            "quantization": config.weight_quantization, "pack_weights": config.pack_weights,
             "attention_backend": config.attention_backend,
             "cache": {"block_size": config.cache.block_size, "kv_cache_dtype": config.cache.kv_cache_dtype}}
 
@@ -64,7 +64,7 @@ def load_shard(model_dir: str, config: EngineConfig, rank: int, world_size: int,
                max_positions: int | None) -> tuple[nn.Module, ModelConfig]:
     """Load the full model, keep this rank's shard (all-reduces unbound until `bind_group`)."""
     model, _ = load_model(model_dir, config.torch_dtype, config.device, max_positions=max_positions,
-                          pack_weights=False, quantization=config.quantization)
+                          pack_weights=False, quantization=config.weight_quantization)
     local = shard_model(model, rank, world_size, group=None)
     if config.pack_weights:
         pack_linears(model)

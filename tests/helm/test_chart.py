@@ -224,7 +224,8 @@ def test_quantization_per_role_renders_into_the_serve_config(render, helm):
     decode = config.worker("decode").engine_config()
     assert (decode.quantization, decode.dtype) == ("auto", "auto")
     default = yaml.safe_load(_rayservice(render())["spec"]["serveConfigV2"])["applications"][-1]["args"]
-    assert "quantization" not in default["decode"]  # the engine's default (none) applies
+    assert "quantization" not in default["decode"]  # WorkerConfig's default (auto) applies
+    assert system_config(default, {"PDSERVE_REDIS_PASSWORD": "x"}).worker("decode").quantization == "auto"
     result = subprocess.run([helm, "template", "pdserve", str(CHART), "--set", "decode.worker.quantization=int3"],
                             capture_output=True, text=True)
     assert result.returncode != 0 and "quantization" in result.stderr, result.stderr

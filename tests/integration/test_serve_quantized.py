@@ -1,5 +1,5 @@
-"""`pdserve serve --quantization auto` with the default model (SmolLM2's Q4_1 GGUF): it answers a chat
-request, and its output names what each replica serves and the configured quantization."""
+"""`pdserve serve` with its defaults (quantization auto, the default model: SmolLM2's Q4_1 GGUF): it answers
+a chat request, and its output names what each replica serves and the configured quantization."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from test_serve_cli import _serving  # noqa: E402
 pytest.importorskip("ray")
 
 
-def test_serve_quantization_auto_answers_and_says_what_it_serves(tmp_path):
+def test_serve_serves_the_gguf_as_stored_by_default_and_says_what_it_serves(tmp_path):
     port = listen_port()
     log = tmp_path / "serve.log"
-    with _serving(log, "--port", str(port), "--grpc-port", "0", "--quantization", "auto"):
+    with _serving(log, "--port", str(port), "--grpc-port", "0"):
         body = json.dumps({"model": "smollm2-135m-instruct", "max_tokens": 12, "temperature": 0,
                            "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,

@@ -27,7 +27,7 @@ def test_each_role_sets_its_own_and_it_reaches_the_engine():
     assert config.worker("prefill").engine_config().quantization == "int8"
     decode = config.worker("decode").engine_config()
     assert (decode.quantization, decode.dtype) == ("auto", "auto")
-    assert SystemConfig().worker("decode").engine_config().quantization == "none"
+    assert SystemConfig().worker("decode").engine_config().quantization == "auto"  # the serving default
     assert quantizations(config) == {"prefill": "int8", "decode": "auto"}
     assert quantizations(SystemConfig(mode="colocated", decode={"quantization": "int4"})) == {"decode": "int4"}
 
@@ -52,7 +52,7 @@ def test_the_flag_sets_both_roles_over_the_file(tmp_path):
     flagged = system_config(serve_parser().parse_args(["--config", str(path), "--quantization", "auto"]), None)
     assert quantizations(flagged) == {"prefill": "auto", "decode": "auto"}
     assert flagged.worker("decode").max_num_seqs == 8
-    assert quantizations(system_config(serve_parser().parse_args([]), None)) == {"prefill": "none", "decode": "none"}
+    assert quantizations(system_config(serve_parser().parse_args([]), None)) == {"prefill": "auto", "decode": "auto"}
 
 
 def test_a_shape_the_model_cannot_take_is_refused_before_ray_with_the_tensor(capsys):

@@ -101,3 +101,15 @@ def test_cpu_shares_count_every_rank():
     assert applied.actor_options()["num_cpus"] == pytest.approx(1.7) and applied.engine_config().num_threads == 1
     stated = fit_cpu_shares(SystemConfig(mode="colocated", decode={"tensor_parallel_size": 2, "num_cpus": 2}), 8)
     assert stated.used == pytest.approx(4.5)  # 0.5 router + 2 ranks x 2
+
+
+def test_the_default_quantization_auto_serves_the_model_dtype_on_tensor_parallel_ranks():
+    """`auto` (the serving default) never refuses a split: the ranks load float weights, and a quantization
+    named outright is still refused."""
+    from pdserve.config import EngineConfig
+
+    engine = SystemConfig(decode={"tensor_parallel_size": 2}).worker("decode").engine_config()
+    assert (engine.quantization, engine.weight_quantization) == ("auto", "none")
+    assert EngineConfig(quantization="auto").weight_quantization == "auto"
+    with pytest.raises(ValueError, match="unquantized weights on CPU"):
+        EngineConfig(quantization="int4", tensor_parallel_size=2)
