@@ -11,7 +11,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from pdserve.kvcache.transports.redis import block_key, stored_prefix_length
+from pdserve.kvcache.redis_keys import block_key, stored_prefix_length
 from pdserve.runtime.redis_health import apply_settings, redact_url, redis_settings
 from pdserve.services.kvstore.config import KVStoreConfig
 

@@ -3,6 +3,7 @@ decode step at batch 1 reads (for the roofline)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -91,3 +92,21 @@ def check_quantization(model: str, quantization: str) -> None:
     with torch.device("meta"):
         module = MODEL_REGISTRY[config.architecture](config)
     plan_quantization(module, config, model_dir, quantization)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m pdserve.models.served MODEL QUANTIZATION [MODEL QUANTIZATION ...]`: check_quantization of
+    each pair in this process (so that the caller need not import torch); the first refusal on stderr as
+    `INDEX WHAT reason` (INDEX: the pair's, from 0; WHAT: `model` when the model is not found, else
+    `quantization`), exit code 2."""
+    for index, (model, quantization) in enumerate(zip(argv[::2], argv[1::2])):
+        try:
+            check_quantization(model, quantization)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"{index} {'model' if isinstance(exc, FileNotFoundError) else 'quantization'} {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -23,6 +23,7 @@ from redis.backoff import ExponentialBackoff
 from pdserve.kvcache import wire
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.params import HandoffParams
+from pdserve.kvcache.redis_keys import block_key, stored_prefix_length
 from pdserve.kvcache.pool import KVPoolIO
 from pdserve.kvcache.transports.base import KVTransferError, KVTransport, ReleaseFn
 
@@ -49,10 +50,6 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
-def block_key(prefix: str, layout_hash: int, block_hash: int) -> str:
-    return f"{prefix}:{layout_hash:016x}:{block_hash:016x}"
-
-
 def partial_block_hash(prev_hash: int, block: memoryview | bytes) -> int:
     """Content address of a block that has no chained hash (not prefix-cacheable).
 
@@ -62,24 +59,6 @@ def partial_block_hash(prev_hash: int, block: memoryview | bytes) -> int:
     digest = xxhash.xxh3_64(_PARTIAL_TAG + struct.pack("<Q", prev_hash))
     digest.update(block)
     return digest.intdigest()
-
-
-async def stored_prefix_length(
-    client: aioredis.Redis, key_prefix: str, layout_hash: int, block_hashes: Sequence[int], batch_blocks: int = 64
-) -> int:
-    """How many leading blocks of a hash chain the store holds (pipelined EXISTS, a batch at a time,
-    stopping at the first batch with a miss). Raises redis errors as they come."""
-    num_present = 0
-    for start in range(0, len(block_hashes), batch_blocks):
-        async with client.pipeline(transaction=False) as pipe:
-            for h in block_hashes[start : start + batch_blocks]:
-                pipe.exists(block_key(key_prefix, layout_hash, h))
-            found = await pipe.execute()
-        for is_present in found:
-            if not is_present:
-                return num_present
-            num_present += 1
-    return num_present
 
 
 class RedisTransport(KVTransport):

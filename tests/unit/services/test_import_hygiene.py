@@ -18,6 +18,14 @@ def test_router_side_modules_do_not_import_torch():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+def test_kvstore_and_serve_driver_do_not_import_torch():
+    """The kvstore replica indexes blocks in Redis and never touches a tensor: torch would cost it ~130 MB of
+    memory. `pdserve serve` itself checks a quantization in a child process, for the same reason."""
+    code = ("import sys; import pdserve.services.kvstore.app, pdserve.services.serve, pdserve.services.serve_checks; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
 def test_library_never_imports_services():
     """pdserve.* (shared/, and loadtest/ as pdserve.loadtest) is a client of the services, never their
     importer: the load tester deploys the system by its builder's import path, as a Serve config does."""

@@ -73,3 +73,11 @@ def test_pdserve_serve_fp8_on_cpu_exits_at_once_naming_the_keys():
     assert "pdserve serve: prefill.quantization: fp8 weights need a GPU with FP8" in done.stderr
     assert "pdserve serve: decode.quantization: fp8 weights need a GPU with FP8" in done.stderr
     assert "pdserve is serving" not in done.stdout
+
+
+def test_a_missing_model_is_refused_by_the_default_check_naming_the_model(capsys):
+    """The default (auto) checks the model in a child process: a model that is not there is named as such,
+    not as a quantization problem."""
+    assert run(serve_parser().parse_args(["--model", "/nonexistent/x.gguf", "--port", "1"])) == 2
+    err = capsys.readouterr().err
+    assert "pdserve serve: model '/nonexistent/x.gguf' is not 'tiny'" in err, err
