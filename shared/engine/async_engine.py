@@ -16,6 +16,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import EngineStats, GenerationRequest, TokenDelta
 from pdserve.kv_events import KVEventLog
+from pdserve.runtime.heap import trim_heap
 
 
 class AsyncLLMEngine:
@@ -23,6 +24,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._queues: dict[str, asyncio.Queue[TokenDelta | BaseException]] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-step")
+        self._stepped_since_trim = False
         self._lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -164,10 +166,14 @@ class AsyncLLMEngine:
             # Cleared before looking for work: a wake-up from now on (new request, adoption) is kept.
             self._wakeup.clear()
             if not self.engine.has_unfinished() and not self.engine.leases.leases:
+                if self._stepped_since_trim:  # idle: what the last batches' activations held goes back to the OS
+                    await loop.run_in_executor(self._executor, trim_heap)
+                    self._stepped_since_trim = False
                 await self._wakeup.wait()
             async with self._lock:
                 try:
                     outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                    self._stepped_since_trim = True
                 except Exception as exc:  # fail every in-flight request rather than hang them
                     self._if_broken(exc)
                     for queue in self._queues.values():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from pdserve.models.gguf import QUANTIZED_FILE
 from pdserve.models.linear import pack_linears
 from pdserve.models.llama import MODEL_REGISTRY
 from pdserve.models.quant_load import apply_blocks, apply_float, plan_quantization
+from pdserve.runtime.heap import trim_heap
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +39,6 @@ def iter_weights(model_dir: Path, skip: set[str] = frozenset()) -> Iterator[tupl
             for name in f.keys():
                 if name not in skip:
                     yield name, f.get_tensor(name)
-
-
-def _trim_heap() -> None:
-    """Hand freed heap pages back to the OS: glibc keeps those of a quantized load's many transient buffers
-    (measured on SmolLM2, auto: RSS 964 -> 481 MiB)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @contextlib.contextmanager
@@ -81,7 +74,7 @@ def load_model(
     apply_float(model, plan)
     if quantization != "none":
         logger.info("%s", plan.describe())
-        _trim_heap()
+        trim_heap()  # a quantized load's transients (SmolLM2, auto: RSS 964 -> 481 MiB)
     model = model.eval().requires_grad_(False)
     if pack_weights:
         pack_linears(model)
