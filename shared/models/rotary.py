@@ -35,12 +35,23 @@ class RotaryEmbedding(torch.nn.Module):
         # cos, sin: [max_positions, head_dim], float32
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._gathered: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self._cos_sin(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, 1, D] at `positions`. Every layer of a forward pass is handed the same positions
+        tensor (one module serves them all): gathered once per pass. Holding the tensor keeps another from
+        taking its address; nothing writes positions in place (the runner builds them anew each step)."""
+        cached = self._gathered
+        if cached is None or cached[0] is not positions or cached[1] != dtype:
+            cos = self.cos[positions].unsqueeze(1).to(dtype)
+            sin = self.sin[positions].unsqueeze(1).to(dtype)
+            self._gathered = cached = (positions, dtype, cos, sin)
+        return cached[2], cached[3]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
