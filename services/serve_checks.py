@@ -18,7 +18,10 @@ def _roles(config) -> tuple[str, ...]:
 
 def quantizations(config) -> dict[str, str]:
     """role -> the weight quantization its replicas serve (the roles this mode runs)."""
-    return {role: getattr(config, role).get("quantization", "auto") for role in _roles(config)}
+    from pdserve.services.worker import WorkerConfig
+
+    default = WorkerConfig.model_fields["quantization"].default
+    return {role: getattr(config, role).get("quantization", default) for role in _roles(config)}
 
 
 def tensor_parallel_sizes(config) -> dict[str, int]:
