@@ -8,9 +8,8 @@ it without triton, and triton.jit picks compiler or interpreter at decoration ti
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from pdserve.models.quantization import QuantizedWeight
+from torch import nn
 
 
 def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -109,9 +108,13 @@ class CudaQuantLinear(nn.Module):
 def quant_linear_for(
     weight: QuantizedWeight, bias: torch.Tensor | None, name: str, device: torch.device | str
 ) -> nn.Module:
-    """The quantized linear for `device`: CudaQuantLinear on CUDA, the CPU QuantLinear elsewhere."""
+    """The quantized linear for `device`: CudaQuantLinear on CUDA; on CPU NativeQuantLinear where pdserve's
+    kernel is built and takes the shape, else QuantLinear over torch's kernels."""
     if torch.device(device).type == "cuda":
         return CudaQuantLinear.from_quantized(weight, bias, device)
     from pdserve.models.quant_linear import QuantLinear
+    from pdserve.models.quant_linear_native import NativeQuantLinear, native_kernel_takes
 
+    if native_kernel_takes(weight):
+        return NativeQuantLinear(weight, bias)
     return QuantLinear(weight, bias, name)

@@ -14,14 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from torch import nn
-
 from pdserve.models.config import ModelConfig
 from pdserve.models.gguf import QUANTIZED_FILE
 from pdserve.models.linear import Linear
 from pdserve.models.quant_linear import QuantEmbedding, QuantLinear
 from pdserve.models.quant_linear_cuda import CudaQuantLinear, quant_linear_for
+from pdserve.models.quant_linear_native import NativeQuantLinear
 from pdserve.models.quantization import (
     GROUP_SIZE,
     QuantizedWeight,
@@ -32,6 +30,8 @@ from pdserve.models.quantization import (
     quantize_rtn_symmetric,
     target_bits,
 )
+from safetensors import safe_open
+from torch import nn
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 EMBEDDING = "model.embed_tokens.weight"
@@ -183,7 +183,9 @@ def apply_float(model: nn.Module, plan: QuantPlan) -> None:
 
 def quantized_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes held by quantized modules and by the float parameters left."""
-    quant = sum(m.nbytes() for m in model.modules() if isinstance(m, (QuantLinear, CudaQuantLinear)))
+    quant = sum(
+        m.nbytes() for m in model.modules() if isinstance(m, (QuantLinear, NativeQuantLinear, CudaQuantLinear))
+    )
     quant += sum(
         b.numel() * b.element_size()
         for m in model.modules()

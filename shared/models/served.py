@@ -7,16 +7,18 @@ import sys
 from pathlib import Path
 
 import torch
-from torch import nn
-
+from pdserve.kernels import cpu_quant
 from pdserve.models.config import ModelConfig
 from pdserve.models.linear import Linear
 from pdserve.models.quant_linear import QuantEmbedding, QuantLinear
+from pdserve.models.quant_linear_native import NativeQuantLinear
 from pdserve.models.quant_load import linear_sources, read_block_types
+from torch import nn
 
 # buffers a QuantLinear's kernel path reads at up to `max_kernel_rows` rows; its float32 `scale` and
-# `offset` serve the dequantizing path of longer batches only
+# `offset` serve the dequantizing path of longer batches only (NativeQuantLinear's kernel reads all three)
 KERNEL_BUFFERS = ("packed", "kernel_scales")
+NATIVE_BUFFERS = ("packed", "scale", "offset")
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -29,8 +31,9 @@ def decode_read_bytes(model: nn.Module) -> int:
     table, of which the step reads one row."""
     total = 0
     for module in model.modules():
-        if isinstance(module, QuantLinear):
-            total += sum(_nbytes(getattr(module, name)) for name in KERNEL_BUFFERS) + _nbytes(module.bias)
+        if isinstance(module, QuantLinear | NativeQuantLinear):
+            names = NATIVE_BUFFERS if isinstance(module, NativeQuantLinear) else KERNEL_BUFFERS
+            total += sum(_nbytes(getattr(module, name)) for name in names) + _nbytes(module.bias)
         elif isinstance(module, nn.Embedding | QuantEmbedding):
             continue
         else:
@@ -50,7 +53,7 @@ def describe_weights(model: nn.Module, config: ModelConfig, model_dir: Path, qua
     counts: dict[str, int] = {}
     embedding = "embedding float"
     for name, module in model.named_modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, QuantLinear | NativeQuantLinear):
             types = _source_types(name, config, block_types)
             source = f"GGUF {types}" if "float" not in types else "rounded to nearest"
             key = f"int{module.bits} ({source}, kernel {module.kernel})"
@@ -63,6 +66,8 @@ def describe_weights(model: nn.Module, config: ModelConfig, model_dir: Path, qua
             continue
         counts[key] = counts.get(key, 0) + 1
     linears = ", ".join(f"{n} linears {key}" for key, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    if any(isinstance(m, QuantLinear) for m in model.modules()) and (why := cpu_quant.unavailable_reason()):
+        linears += f" (native kernel unavailable: {why})"
     return f"quantization {quantization}: {linears}; {embedding}"
 
 

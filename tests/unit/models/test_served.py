@@ -10,10 +10,12 @@ import torch
 
 pytest.importorskip("gguf")
 
+from pdserve.kernels import cpu_quant
 from pdserve.models.gguf import ensure_hf_checkpoint
 from pdserve.models.linear import Linear
 from pdserve.models.loader import load_model
 from pdserve.models.quant_linear import QuantLinear
+from pdserve.models.quant_linear_native import NativeQuantLinear
 from pdserve.models.served import check_quantization, decode_read_bytes, describe_weights
 from pdserve.models.tiny import ensure_tiny_checkpoint
 
@@ -30,7 +32,8 @@ def test_float_model_reads_every_parameter_but_the_embedding(tmp_path: Path) -> 
     assert line == "quantization none: 17 linears float32; embedding float"
 
 
-def test_int8_reads_its_codes_and_kernel_scales_not_its_exact_scales(tmp_path: Path) -> None:
+def test_int8_reads_its_codes_and_kernel_scales_not_its_exact_scales(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(cpu_quant.KERNEL_ENV, "torch")  # torch's kernels: bfloat16 scales beside exact ones
     model, config = load_model(ensure_tiny_checkpoint(tmp_path), torch.float32, "cpu", quantization="int8")
     quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(quant) == 17 and not any(isinstance(m, Linear) for m in model.modules())
@@ -41,10 +44,12 @@ def test_int8_reads_its_codes_and_kernel_scales_not_its_exact_scales(tmp_path: P
     exact = sum(_nbytes(m.scale) + _nbytes(m.offset) for m in quant)  # held for prefill, not read at 1 row
     assert exact > 0 and decode_read_bytes(model) + exact <= sum(m.nbytes() for m in quant) + norms
     assert describe_weights(model, config, ensure_tiny_checkpoint(tmp_path), "int8") == (
-        "quantization int8: 17 linears int8 (rounded to nearest, kernel int8_channel); embedding float")
+        "quantization int8: 17 linears int8 (rounded to nearest, kernel int8_channel) (native kernel "
+        "unavailable: PDSERVE_CPU_QUANT_KERNEL=torch); embedding float")
 
 
-def test_gguf_auto_names_each_linears_blocks(tmp_path: Path, llama_gguf) -> None:
+def test_gguf_auto_names_each_linears_blocks(tmp_path: Path, llama_gguf, monkeypatch) -> None:
+    monkeypatch.setenv(cpu_quant.KERNEL_ENV, "torch")
     path, _ = llama_gguf()  # q Q4_0, k Q4_1, v F16, o BF16, gate Q8_0, up Q4_1, down F32, output Q4_0, embd Q8_0
     model_dir = ensure_hf_checkpoint(path, tmp_path / "cache")
     model, config = load_model(model_dir, torch.float32, "cpu", quantization="auto")
@@ -58,6 +63,22 @@ def test_gguf_auto_names_each_linears_blocks(tmp_path: Path, llama_gguf) -> None
     rows = -(-head.out_features // 64) * 64
     assert _nbytes(head.packed) + _nbytes(head.kernel_scales) == rows * head.in_features // 2 + rows * (
         head.in_features // 32) * 4
+
+
+@pytest.mark.skipif(cpu_quant.library() is None, reason="native kernel not built")
+def test_native_int8_reads_its_codes_and_block_scales(tmp_path: Path) -> None:
+    model, config = load_model(ensure_tiny_checkpoint(tmp_path), torch.float32, "cpu", quantization="int8")
+    native = [m for m in model.modules() if isinstance(m, NativeQuantLinear)]
+    torch_kernel = [m for m in model.modules() if isinstance(m, QuantLinear)]  # K not a multiple of 64
+    assert native and len(native) + len(torch_kernel) == 17
+    # 1 byte per weight + a float32 scale and offset per 32 elements, all read by the kernel
+    codes = sum(m.in_features * m.out_features * 5 // 4 for m in native)
+    codes += sum(m.in_features * m.out_features + 2 * m.out_features for m in torch_kernel)
+    norms = sum(_nbytes(p) for n, p in model.named_parameters() if "norm" in n)
+    assert decode_read_bytes(model) == codes + norms
+    isa = cpu_quant.isa(cpu_quant.library())
+    line = describe_weights(model, config, ensure_tiny_checkpoint(tmp_path), "int8")
+    assert f"linears int8 (rounded to nearest, kernel native-{isa})" in line
 
 
 @pytest.mark.parametrize(("quantization", "reason"), [

@@ -1,0 +1,76 @@
+"""Weight-only quantized linears on CPU through pdserve's native kernel (pdserve.kernels.cpu_quant).
+
+One copy of the weight: the codes in the kernel's packed layout (int4: half a byte a weight) and float32
+scales and offsets per 32-element block. Up to `max_kernel_rows` rows (decode) the kernel multiplies them
+with float32 input directly; above it (prefill) the weight is dequantized exactly to float32, DEQUANT_CHUNK
+output rows at a time, for a float32 matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+from pdserve.kernels import cpu_quant
+from pdserve.models.quant_linear import DEQUANT_CHUNK, MAX_KERNEL_ROWS, _scratch
+from pdserve.models.quantization import QuantizedWeight
+from torch import nn
+
+
+def native_kernel_takes(weight: QuantizedWeight) -> bool:
+    """The native kernel is built here and the shape fits its layout (K a multiple of 64, groups of
+    32-element blocks)."""
+    k = weight.codes.shape[1]
+    return (
+        cpu_quant.library() is not None and k % cpu_quant.PAIR == 0 and weight.group_size % 32 == 0
+        and weight.bits in (4, 8)
+    )
+
+
+class NativeQuantLinear(nn.Module):
+    """y = x @ w.T + bias for a quantized w [out, in]; `kernel` is "native-vnni" or "native-f32"."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.lib = cpu_quant.library()
+        if self.lib is None:
+            raise RuntimeError(f"native CPU quantized kernel unavailable: {cpu_quant.unavailable_reason()}")
+        n, k = weight.codes.shape
+        self.in_features, self.out_features = k, n
+        self.bits, self.group_size = weight.bits, weight.group_size
+        self.kernel = f"native-{cpu_quant.isa(self.lib)}"
+        self.max_kernel_rows = MAX_KERNEL_ROWS
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+        per_block = weight.group_size // 32  # scales per 32-element block, as the kernel reads them
+        self.register_buffer("packed", cpu_quant.pack(weight.codes, weight.bits))
+        self.register_buffer("scale", weight.scale.float().repeat_interleave(per_block, 1).contiguous())
+        self.register_buffer("offset", weight.offset.float().repeat_interleave(per_block, 1).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        if rows.shape[0] <= self.max_kernel_rows:
+            y = cpu_quant.quant_gemm(self.lib, rows, self.packed, self.bits, self.scale, self.offset)
+        else:
+            y = torch.cat(
+                [rows @ self.dequantize_into(s, min(s + DEQUANT_CHUNK, self.out_features)).t()
+                 for s in range(0, self.out_features, DEQUANT_CHUNK)], 1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize_into(self, start: int, end: int) -> torch.Tensor:
+        """Rows start:end as float32 [end - start, K] in a reused buffer."""
+        out = _scratch("native", (end - start, self.in_features), torch.float32)
+        return cpu_quant.quant_dequant(self.lib, self.packed, self.bits, self.scale, self.offset, start, end, out)
+
+    def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Output rows start:end as float32 [end - start, K]: exactly codes * scale + offset."""
+        end = min(end or self.out_features, self.out_features)
+        return self.dequantize_into(start, end).clone()
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers()) + (
+            self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
+        )
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}, bits={self.bits}"
