@@ -1,34 +1,22 @@
-"""The native CPU kernel for weight-only quantized linears (`cpu/quant_gemm.c`), built on first use.
+"""Weight-only quantized linears on CPU through the native kernel (`cpu/quant_gemm.c`, built by
+pdserve.kernels.cpu_native).
 
 torch's CPU int4/int8 kernels are vectorized only for bfloat16 input and run at under half of one core's
 bandwidth at one row; this kernel takes float32 input. On AVX-512 VNNI it multiplies the codes with x
 held in two int8 planes per 32-element block (relative error under 2^-15 of the block's largest |x|) in
 int32 dot products; elsewhere it dequantizes each row exactly and takes a float32 dot product.
-
-The library is compiled with the system C compiler (`cc -O3 -march=native -fopenmp`, about a second) into
-`$PDSERVE_KERNEL_CACHE` (default `$PDSERVE_CACHE/kernels`, `~/.cache/pdserve/kernels`), keyed by the
-source, the compiler and the CPU's flags, and loaded with ctypes. Its OpenMP calls resolve to the libgomp torch has loaded, so it
-runs on torch's threads (`torch.set_num_threads`). Without a compiler `library()` is None and
-`unavailable_reason()` says why; the env var PDSERVE_CPU_QUANT_KERNEL=torch forces torch's kernels.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
+from pdserve.kernels.cpu_native import CACHE_ENV, FLAGS, KERNEL_ENV, _load, library, unavailable_reason
 
-KERNEL_ENV = "PDSERVE_CPU_QUANT_KERNEL"
-CACHE_ENV = "PDSERVE_KERNEL_CACHE"
-SOURCE = Path(__file__).parent / "cpu" / "quant_gemm.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+__all__ = ["CACHE_ENV", "FLAGS", "KERNEL_ENV", "PAIR", "_load", "isa", "library", "pack", "pack_order",
+           "quant_dequant", "quant_gemm", "scales", "takes", "unavailable_reason"]
+
 PAIR = 64  # elements per pair-block of the layout
 
 
@@ -54,96 +42,40 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat(parts, dim=1).contiguous()
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _cache_dir() -> Path:
-    if root := os.environ.get(CACHE_ENV):
-        return Path(root)
-    return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve") / "kernels"
-
-
-def _build(compiler: str, flags: tuple[str, ...]) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), version, " ".join(flags), _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"quant_gemm-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builders each write their own
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
-                       check=True)
-        os.replace(built, target)
-    return target
-
-
-def _bind(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.pd_quant_gemm.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, ptr, ptr, i64, ptr]
-    lib.pd_quant_gemm.restype = None
-    lib.pd_quant_dequant.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, ptr]
-    lib.pd_quant_dequant.restype = None
-    lib.pd_quant_isa.restype = ctypes.c_int
-    return lib
-
-
-@functools.cache
-def _load(flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None, "no C compiler (cc) on PATH"
-    try:
-        return _bind(_build(compiler, flags)), ""
-    except subprocess.CalledProcessError as exc:
-        return None, f"{compiler} failed: {(exc.stderr or '').strip().splitlines()[-1:]}"
-    except OSError as exc:
-        return None, f"cannot build or load the kernel: {exc}"
-
-
-def library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (torch's kernels serve: PDSERVE_CPU_QUANT_KERNEL=torch, or no
-    compiler)."""
-    if os.environ.get(KERNEL_ENV, "native") == "torch":
-        return None
-    return _load(flags)[0]
-
-
-def unavailable_reason(flags: tuple[str, ...] = FLAGS) -> str:
-    if os.environ.get(KERNEL_ENV, "native") == "torch":
-        return f"{KERNEL_ENV}=torch"
-    return _load(flags)[1]
-
-
 def isa(lib: ctypes.CDLL) -> str:
     """"vnni" (AVX-512 VNNI, x in two int8 planes) or "f32" (exact float32 dot products)."""
     return "vnni" if lib.pd_quant_isa() == 1 else "f32"
 
 
+def takes(k: int, group: int) -> bool:
+    """The layout's shapes: K a multiple of 64, scale groups of 32 or a multiple of 64 elements."""
+    return k % PAIR == 0 and (group == 32 or group % PAIR == 0) and k % group == 0
+
+
+def scales(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scale, offset [N, K / group] as the kernel reads them: float16 where every value round-trips (GGUF's
+    d and m do: half the bytes), else float32."""
+    half = scale.half(), offset.half()
+    if torch.equal(half[0].float(), scale.float()) and torch.equal(half[1].float(), offset.float()):
+        return half[0].contiguous(), half[1].contiguous()
+    return scale.float().contiguous(), offset.float().contiguous()
+
+
 def quant_gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Tensor,
                offset: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 contiguous -> [M, N] float32; scale, offset [N, K / 32] float32."""
+    """x [M, K] float32 contiguous -> [M, N] float32; scale, offset [N, K / group] from `scales`."""
     m, k = x.shape
-    n = scale.shape[0]
+    n, groups = scale.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    lib.pd_quant_gemm(x.data_ptr(), m, k, packed.data_ptr(), bits, scale.data_ptr(), offset.data_ptr(), n,
-                      y.data_ptr())
+    lib.pd_quant_gemm(x.data_ptr(), m, k, packed.data_ptr(), bits, scale.data_ptr(), offset.data_ptr(),
+                      scale.dtype is torch.float16, k // groups, n, y.data_ptr())
     return y
 
 
 def quant_dequant(lib: ctypes.CDLL, packed: torch.Tensor, bits: int, scale: torch.Tensor,
                   offset: torch.Tensor, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
     """Rows start:end of w into `out` [end - start, K] float32 (exactly code * scale + offset)."""
-    lib.pd_quant_dequant(packed.data_ptr(), bits, scale.data_ptr(), offset.data_ptr(), start, end,
-                         out.shape[1], out.data_ptr())
+    k = out.shape[1]
+    lib.pd_quant_dequant(packed.data_ptr(), bits, scale.data_ptr(), offset.data_ptr(),
+                         scale.dtype is torch.float16, k // scale.shape[1], start, end, k, out.data_ptr())
     return out

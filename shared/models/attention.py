@@ -12,6 +12,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.cpu_attention import native_cache, paged_decode, store_kv
 from pdserve.kernels.kv_quant import QuantizedCache, gather_dequantized, store_quantized
 
 # a layer's K or V cache: [num_blocks, block_size, Hkv, Dh] in the model dtype, or int8/fp8 values with scales
@@ -64,6 +65,8 @@ def store_kvcache(
     k: torch.Tensor, v: torch.Tensor, k_cache: KVCache, v_cache: KVCache, slot_mapping: torch.Tensor
 ) -> None:
     # k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (block dim may be strided)
+    if native_cache(k_cache, v_cache) and store_kv(k, v, k_cache, v_cache, slot_mapping):
+        return
     block_size = k_cache.shape[1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     if isinstance(k_cache, QuantizedCache):
@@ -99,6 +102,12 @@ def decode_attention(
     q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     # q: [D, H, Dh] -> out [D, H, Dh]
+    if q.dtype is torch.float32 and native_cache(k_cache, v_cache):
+        out = torch.empty_like(q)
+        for group in meta.decode_groups:
+            rows = slice(group.start, group.start + group.num_seqs)
+            out[rows] = paged_decode(q[rows], k_cache, v_cache, group.block_tables, group.context_lens, scale)
+        return out
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     attend = _attend_bmm if q.shape[1] // num_kv_heads >= BMM_MIN_GROUP_SIZE else _attend_sdpa
     out = torch.empty_like(q)

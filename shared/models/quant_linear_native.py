@@ -1,9 +1,10 @@
 """Weight-only quantized linears on CPU through pdserve's native kernel (pdserve.kernels.cpu_quant).
 
-One copy of the weight: the codes in the kernel's packed layout (int4: half a byte a weight) and float32
-scales and offsets per 32-element block. Up to `max_kernel_rows` rows (decode) the kernel multiplies them
-with float32 input directly; above it (prefill) the weight is dequantized exactly to float32, DEQUANT_CHUNK
-output rows at a time, for a float32 matmul.
+One copy of the weight: the codes in the kernel's packed layout (int4: half a byte a weight) and the group
+scales and offsets, float16 where exact (GGUF's: Q4_1 is then 20 bytes per 32 weights, as in the file).
+Up to `max_kernel_rows` rows (decode) the kernel multiplies them with float32 input directly; above it
+(prefill) the weight is dequantized exactly to float32, DEQUANT_CHUNK output rows at a time, for a float32
+matmul.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from torch import nn
 def native_kernel_takes(weight: QuantizedWeight) -> bool:
     """The native kernel is built here and the shape fits its layout (K a multiple of 64, groups of
     32-element blocks)."""
-    k = weight.codes.shape[1]
     return (
-        cpu_quant.library() is not None and k % cpu_quant.PAIR == 0 and weight.group_size % 32 == 0
+        cpu_quant.library() is not None and cpu_quant.takes(weight.codes.shape[1], weight.group_size)
         and weight.bits in (4, 8)
     )
 
@@ -39,14 +39,16 @@ class NativeQuantLinear(nn.Module):
         self.kernel = f"native-{cpu_quant.isa(self.lib)}"
         self.max_kernel_rows = MAX_KERNEL_ROWS
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
-        per_block = weight.group_size // 32  # scales per 32-element block, as the kernel reads them
+        scale, offset = cpu_quant.scales(weight.scale, weight.offset)
         self.register_buffer("packed", cpu_quant.pack(weight.codes, weight.bits))
-        self.register_buffer("scale", weight.scale.float().repeat_interleave(per_block, 1).contiguous())
-        self.register_buffer("offset", weight.offset.float().repeat_interleave(per_block, 1).contiguous())
+        self.register_buffer("scale", scale)  # [N, K / group] float16 (when exact) or float32
+        self.register_buffer("offset", offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., K] -> [..., N]
-        rows = x.reshape(-1, self.in_features).float().contiguous()
+        # x: [..., K] -> [..., N]; a decode step calls this ~120 times: no op that is not needed
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if rows.dtype is not torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
         if rows.shape[0] <= self.max_kernel_rows:
             y = cpu_quant.quant_gemm(self.lib, rows, self.packed, self.bits, self.scale, self.offset)
         else:
@@ -55,7 +57,9 @@ class NativeQuantLinear(nn.Module):
                  for s in range(0, self.out_features, DEQUANT_CHUNK)], 1)
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        if x.dtype is not torch.float32:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantize_into(self, start: int, end: int) -> torch.Tensor:
         """Rows start:end as float32 [end - start, K] in a reused buffer."""

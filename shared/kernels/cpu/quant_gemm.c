@@ -1,6 +1,6 @@
 /* Weight-only quantized GEMM on CPU: y[M, N] = x[M, K] @ w[N, K]^T with
  *
- *     w[n, k] = code[n, k] * scale[n, k / 32] + offset[n, k / 32]
+ *     w[n, k] = code[n, k] * scale[n, k / group] + offset[n, k / group]
  *
  * AVX-512 VNNI: the codes multiply x held in two int8 planes per 32-element block (x ~ s (hi + lo / 256),
  * relative error under 2^-15 of the block's largest |x|), int32 dot products, float32 scales and sums.
@@ -13,27 +13,42 @@
  *   bits 4: packed [N, K / 2] uint8, in chunks of two pair-blocks: byte p of a 64-byte chunk holds position
  *           p of the even pair in its low nibble and of the odd pair in its high nibble; a last pair alone
  *           (K % 128 == 64) is 32 bytes, byte p holding position p (low nibble) and p + 32 (high);
- *   scale, offset: [N, K / 32] float32.
+ *   scale, offset: [N, K / group], float32, or float16 (`half`: GGUF's d and m as stored);
+ *   group: 32 or a multiple of 64.
  */
-#include <stdint.h>
-
-void pd_quant_dequant_row(const uint8_t *row, int bits, const float *scale, const float *offset, int64_t K,
-                          float *w);
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
+
+typedef struct {
+    const uint8_t *packed;
+    const void *scale, *offset;
+    int bits, half;
+    int64_t K, group;
+} qweight;
+
+static inline float scale_at(const void *t, int half, int64_t i) {
+    return half ? (float)((const _Float16 *)t)[i] : ((const float *)t)[i];
+}
+
+static inline int64_t row_bytes(const qweight *w) { return w->bits == 4 ? w->K / 2 : w->K; }
+
+void pd_quant_dequant_row(const qweight *w, int64_t n, float *out);
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#include <immintrin.h>
 
 #define MT_MAX 8
 #define NT_MAX 4
 
 /* x in two int8 planes per 32-element block b: x ~ s_b * (hi + lo / 256), |error| <= s_b / 512 with
- * s_b = max|x| / 127 over the block; written in the packed element order E (see pack_order in
- * pdserve.kernels.cpu_quant) so that lane i of a 64-byte pair-block reads block i % 2. */
-static void quantize_x(const float *x, int64_t M, int64_t K, int8_t *hi, int8_t *lo, float *s256, float *xsum) {
-    const int64_t blocks = K / 32;
-    for (int64_t m = 0; m < M; m++)
+ * s_b = max|x| / 127 over the block; written in the packed element order so that lane i of a 64-byte
+ * pair-block reads block i % 2. gsum[m, g]: the exact sum of x over scale group g. */
+static void quantize_x(const float *x, int64_t M, int64_t K, int64_t group, int8_t *hi, int8_t *lo, float *s256,
+                       float *gsum) {
+    const int64_t blocks = K / 32, groups = K / group;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t g = 0; g < groups; g++) gsum[m * groups + g] = 0.0f;
         for (int64_t b = 0; b < blocks; b++) {
             const float *xb = x + m * K + b * 32;
             float amax = 0.0f, sum = 0.0f;
@@ -43,18 +58,18 @@ static void quantize_x(const float *x, int64_t M, int64_t K, int8_t *hi, int8_t 
             }
             const float s = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / s;
             s256[m * blocks + b] = s / 256.0f;
-            xsum[m * blocks + b] = sum;
+            gsum[m * groups + b * 32 / group] += sum;
             const int64_t pair = b / 2, block = b % 2;
             for (int j = 0; j < 32; j++) {
                 const float h = nearbyintf(xb[j] * inv);
                 float l = nearbyintf((xb[j] - h * s) * inv * 256.0f);
                 l = l > 127.0f ? 127.0f : (l < -127.0f ? -127.0f : l);
-                /* element j of block `block` sits at byte 4 * (2 * (j / 4) + block) + j % 4 of its pair */
                 const int64_t at = m * K + pair * 64 + 4 * (2 * (j / 4) + block) + j % 4;
                 hi[at] = (int8_t)h;
                 lo[at] = (int8_t)l;
             }
         }
+    }
 }
 
 /* the 128 codes of an int4 chunk (pairs 2c and 2c + 1, as low and high nibbles of 64 bytes) */
@@ -64,94 +79,99 @@ static inline __attribute__((always_inline)) void codes128(const uint8_t *q, __m
     *odd = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
 }
 
-/* the 64 codes of an int4 pair stored alone (the last pair when K % 128 == 64): 32 bytes, low nibbles
- * then high nibbles */
+/* the 64 codes of an int4 pair stored alone: 32 bytes, low nibbles then high nibbles */
 static inline __attribute__((always_inline)) __m512i codes64(const uint8_t *q) {
     const __m256i b = _mm256_loadu_si256((const __m256i *)q), low = _mm256_set1_epi8(15);
     const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-static inline __attribute__((always_inline)) __m512 pair_scales(const float *p) {
-    /* lanes alternate p[0], p[1]: the two blocks of a pair */
+/* lanes alternate p[0], p[1]: the two blocks of a pair */
+static inline __attribute__((always_inline)) __m512 pair_floats(const float *p) {
     return _mm512_broadcast_f32x2(_mm_castpd_ps(_mm_load_sd((const double *)p)));
 }
 
-/* acc[m] += pair p of one output channel (codes c, scales at `scale`) against MT input rows */
-static inline __attribute__((always_inline)) void pair_dot(
-    const int MT, __m512i c, const float *scale, int64_t p, const int8_t *xh, const int8_t *xl,
-    const float *s256, int64_t K, __m512 *acc) {
+/* the weight scales of pair p of a row (scales from `row_scale`) */
+static inline __attribute__((always_inline)) __m512 weight_scales(const qweight *w, const void *row_scale,
+                                                                  int64_t p) {
+    if (w->group != 32) return _mm512_set1_ps(scale_at(row_scale, w->half, p * 64 / w->group));
+    if (!w->half) return pair_floats((const float *)row_scale + 2 * p);
+    const __m128 two = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)((const uint16_t *)row_scale + 2 * p)));
+    return _mm512_broadcast_f32x2(two);
+}
+
+/* acc[m] += pair p of one output channel (codes c) against MT input rows */
+static inline __attribute__((always_inline)) void pair_dot(const int MT, __m512i c, __m512 d, int64_t p,
+                                                           const int8_t *xh, const int8_t *xl, const float *s256,
+                                                           int64_t K, __m512 *acc) {
     const int64_t blocks = K / 32;
-    const __m512 d = pair_scales(scale + 2 * p);
     for (int m = 0; m < MT; m++) {
         const __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, _mm512_loadu_si512(xh + m * K + p * 64));
         /* 256 hi + lo, exact in int32 (4 products of at most 255 * 127 a lane) */
         const __m512 v = _mm512_cvtepi32_ps(
             _mm512_dpbusd_epi32(_mm512_slli_epi32(h, 8), c, _mm512_loadu_si512(xl + m * K + p * 64)));
-        acc[m] = _mm512_fmadd_ps(v, _mm512_mul_ps(d, pair_scales(s256 + m * blocks + 2 * p)), acc[m]);
+        acc[m] = _mm512_fmadd_ps(v, _mm512_mul_ps(d, pair_floats(s256 + m * blocks + 2 * p)), acc[m]);
     }
 }
 
 /* NT output channels from n0 against MT input rows */
-static inline __attribute__((always_inline)) void tile(
-    const int NT, const int MT, const int8_t *xh, const int8_t *xl, const float *s256, const float *xsum,
-    int64_t K, const uint8_t *packed, int bits, const float *scale, const float *offset, int64_t n0, float *y,
-    int64_t N) {
-    const int64_t blocks = K / 32, pairs = K / 64, row_bytes = bits == 4 ? K / 2 : K;
+static inline __attribute__((always_inline)) void tile(const int NT, const int MT, const qweight *w,
+                                                       const int8_t *xh, const int8_t *xl, const float *s256,
+                                                       const float *gsum, int64_t n0, float *y, int64_t N) {
+    const int64_t K = w->K, pairs = K / 64, groups = K / w->group, elem = w->half ? 2 : 4;
     __m512 acc[NT_MAX][MT_MAX];
     for (int i = 0; i < NT; i++)
         for (int m = 0; m < MT; m++) acc[i][m] = _mm512_setzero_ps();
     for (int i = 0; i < NT; i++) {
-        const uint8_t *row = packed + (n0 + i) * row_bytes;
-        const float *sc = scale + (n0 + i) * blocks;
-        if (bits == 8) {
+        const uint8_t *row = w->packed + (n0 + i) * row_bytes(w);
+        const void *sc = (const char *)w->scale + (n0 + i) * groups * elem;
+        if (w->bits == 8) {
             for (int64_t p = 0; p < pairs; p++)
-                pair_dot(MT, _mm512_loadu_si512(row + p * 64), sc, p, xh, xl, s256, K, acc[i]);
+                pair_dot(MT, _mm512_loadu_si512(row + p * 64), weight_scales(w, sc, p), p, xh, xl, s256, K, acc[i]);
         } else {
             int64_t p = 0;
             for (; p + 1 < pairs; p += 2) {
                 __m512i even, odd;
                 codes128(row + p * 32, &even, &odd);
-                pair_dot(MT, even, sc, p, xh, xl, s256, K, acc[i]);
-                pair_dot(MT, odd, sc, p + 1, xh, xl, s256, K, acc[i]);
+                pair_dot(MT, even, weight_scales(w, sc, p), p, xh, xl, s256, K, acc[i]);
+                pair_dot(MT, odd, weight_scales(w, sc, p + 1), p + 1, xh, xl, s256, K, acc[i]);
             }
-            if (p < pairs) pair_dot(MT, codes64(row + p * 32), sc, p, xh, xl, s256, K, acc[i]);
+            if (p < pairs) pair_dot(MT, codes64(row + p * 32), weight_scales(w, sc, p), p, xh, xl, s256, K, acc[i]);
         }
     }
     for (int i = 0; i < NT; i++) {
-        const float *z = offset + (n0 + i) * blocks;
-        for (int m = 0; m < MT; m++) {
-            for (int64_t b = 0; b < blocks; b += 16) { /* the offsets' term: sum over blocks of z * sum(x) */
-                const __mmask16 k = blocks - b >= 16 ? 0xFFFF : (__mmask16)((1u << (blocks - b)) - 1);
-                acc[i][m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, z + b),
-                                            _mm512_maskz_loadu_ps(k, xsum + m * blocks + b), acc[i][m]);
+        const void *z = (const char *)w->offset + (n0 + i) * groups * elem;
+        for (int m = 0; m < MT; m++) { /* the offsets' term: sum over groups of z * sum(x) */
+            for (int64_t g = 0; g < groups; g += 16) {
+                const __mmask16 k = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+                const __m512 zs = w->half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)z + g))
+                                          : _mm512_maskz_loadu_ps(k, (const float *)z + g);
+                acc[i][m] = _mm512_fmadd_ps(zs, _mm512_maskz_loadu_ps(k, gsum + m * groups + g), acc[i][m]);
             }
             y[m * N + n0 + i] = _mm512_reduce_add_ps(acc[i][m]);
         }
     }
 }
 
-#define TILE_CASE(mt)                                                                                    \
-    case mt:                                                                                             \
-        tile(1, mt, xh + m0 * K, xl + m0 * K, s256 + m0 * blocks, xsum + m0 * blocks, K, packed, bits, \
-             scale, offset, n, y + m0 * N, N);                                                           \
+#define TILE_CASE(mt)                                                                                      \
+    case mt:                                                                                               \
+        tile(1, mt, &w, xh + m0 * K, xl + m0 * K, s256 + m0 * blocks, gsum + m0 * groups, n, y + m0 * N, N); \
         break;
 
-/* scale, offset: [N, K / 32] (one per 32-element block); K a multiple of 64 */
-void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, int bits, const float *scale,
-                   const float *offset, int64_t N, float *y) {
-    const int64_t blocks = K / 32;
+void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, int bits, const void *scale,
+                   const void *offset, int half, int64_t group, int64_t N, float *y) {
+    const qweight w = {packed, scale, offset, bits, half, K, group};
+    const int64_t blocks = K / 32, groups = K / group;
     int8_t *xh = malloc(2 * M * K), *xl = xh + M * K;
-    float *s256 = malloc(2 * M * blocks * sizeof(float)), *xsum = s256 + M * blocks;
-    quantize_x(x, M, K, xh, xl, s256, xsum);
+    float *s256 = malloc(M * (blocks + groups) * sizeof(float)), *gsum = s256 + M * blocks;
+    quantize_x(x, M, K, group, xh, xl, s256, gsum);
     if (M == 1) {
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n += NT_MAX) {
             if (n + NT_MAX <= N)
-                tile(NT_MAX, 1, xh, xl, s256, xsum, K, packed, bits, scale, offset, n, y, N);
+                tile(NT_MAX, 1, &w, xh, xl, s256, gsum, n, y, N);
             else
-                for (int64_t r = n; r < N; r++)
-                    tile(1, 1, xh, xl, s256, xsum, K, packed, bits, scale, offset, r, y, N);
+                for (int64_t r = n; r < N; r++) tile(1, 1, &w, xh, xl, s256, gsum, r, y, N);
         }
     } else {
 #pragma omp parallel for schedule(static)
@@ -171,25 +191,23 @@ int pd_quant_isa(void) { return 1; } /* 1: AVX-512 VNNI, x in two int8 planes; 0
 
 #else /* portable: float32 activations, exact */
 
-#include <stdlib.h>
-
-void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, int bits, const float *scale,
-                   const float *offset, int64_t N, float *y) {
-    const int64_t blocks = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, int bits, const void *scale,
+                   const void *offset, int half, int64_t group, int64_t N, float *y) {
+    const qweight w = {packed, scale, offset, bits, half, K, group};
 #pragma omp parallel
     {
-        float *w = malloc(K * sizeof(float));
+        float *row = malloc(K * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
-            pd_quant_dequant_row(packed + n * row_bytes, bits, scale + n * blocks, offset + n * blocks, K, w);
+            pd_quant_dequant_row(&w, n, row);
             for (int64_t m = 0; m < M; m++) {
                 float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-                for (int64_t k = 0; k < K; k++) acc += w[k] * x[m * K + k];
+                for (int64_t k = 0; k < K; k++) acc += row[k] * x[m * K + k];
                 y[m * N + n] = acc;
             }
         }
-        free(w);
+        free(row);
     }
 }
 
@@ -204,24 +222,24 @@ static inline int code_at(const uint8_t *row, int bits, int64_t K, int64_t p, in
     return (row[p * 32 + q % 32] >> (4 * (q / 32))) & 15; /* a last pair alone */
 }
 
-/* one row of w as float32 [K], exactly code * scale + offset; position q of a pair-block holds element
+/* row n of w as float32 [K], exactly code * scale + offset; position q of a pair-block holds element
  * e = 32 * ((q / 4) % 2) + 4 * (q / 8) + q % 4 */
-void pd_quant_dequant_row(const uint8_t *row, int bits, const float *scale, const float *offset, int64_t K,
-                          float *w) {
+void pd_quant_dequant_row(const qweight *w, int64_t n, float *out) {
+    const int64_t K = w->K, groups = K / w->group;
+    const uint8_t *row = w->packed + n * row_bytes(w);
     for (int64_t p = 0; p < K / 64; p++)
         for (int q = 0; q < 64; q++) {
-            const int lane = q / 4, block = lane % 2;
-            const int64_t b = 2 * p + block;
-            w[p * 64 + block * 32 + (lane / 2) * 4 + q % 4] = (float)code_at(row, bits, K, p, q) * scale[b] + offset[b];
+            const int lane = q / 4;
+            const int64_t e = p * 64 + (lane % 2) * 32 + (lane / 2) * 4 + q % 4, g = n * groups + e / w->group;
+            out[e] = (float)code_at(row, w->bits, K, p, q) * scale_at(w->scale, w->half, g)
+                     + scale_at(w->offset, w->half, g);
         }
 }
 
 /* rows n0:n1 of w as float32 [n1 - n0, K] */
-void pd_quant_dequant(const uint8_t *packed, int bits, const float *scale, const float *offset, int64_t n0,
-                      int64_t n1, int64_t K, float *w) {
-    const int64_t blocks = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+void pd_quant_dequant(const uint8_t *packed, int bits, const void *scale, const void *offset, int half,
+                      int64_t group, int64_t n0, int64_t n1, int64_t K, float *out) {
+    const qweight w = {packed, scale, offset, bits, half, K, group};
 #pragma omp parallel for schedule(static)
-    for (int64_t n = n0; n < n1; n++)
-        pd_quant_dequant_row(packed + n * row_bytes, bits, scale + n * blocks, offset + n * blocks, K,
-                             w + (n - n0) * K);
+    for (int64_t n = n0; n < n1; n++) pd_quant_dequant_row(&w, n, out + (n - n0) * K);
 }

@@ -23,9 +23,9 @@ PORTABLE = cpu_quant.FLAGS + ("-mno-avx512f",)  # the float32 path every x86-64 
 BUILDS = {"native": cpu_quant.FLAGS, "portable": PORTABLE}
 
 
-def _weight(n: int, k: int, bits: int, seed: int) -> QuantizedWeight:
+def _weight(n: int, k: int, bits: int, seed: int, group: int = 32) -> QuantizedWeight:
     gen = torch.Generator().manual_seed(seed)
-    q = quantize_rtn(torch.randn(n, k, generator=gen) * 0.05, bits, 32, "w")
+    q = quantize_rtn(torch.randn(n, k, generator=gen) * 0.05, bits, group, "w")
     # GGUF's scales are float16: code * scale is then exact in float32, as the kernel's dequantization
     return QuantizedWeight(q.codes, q.scale.half().float(), q.offset.half().float(), bits)
 
@@ -50,35 +50,47 @@ def test_pack_order_is_a_permutation_with_one_block_per_lane() -> None:
     assert torch.equal(lanes, (torch.arange(16) % 2)[:, None].expand(16, 4))
 
 
+SCALES = {  # float32 as given, or float16 where exact (GGUF's d and m)
+    "float32": lambda w: (w.scale, w.offset),
+    "float16": lambda w: cpu_quant.scales(w.scale, w.offset),
+}
+
+
 @pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize(("k", "bits"), [(128, 4), (192, 4), (64, 4), (192, 8), (576, 8)])
-def test_dequantize_is_exact(build: str, k: int, bits: int) -> None:
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize(("k", "bits", "group"), [(128, 4, 32), (192, 4, 32), (64, 4, 32), (192, 8, 32),
+                                                  (576, 8, 32), (256, 4, 64), (384, 8, 128)])
+def test_dequantize_is_exact(build: str, scales: str, k: int, bits: int, group: int) -> None:
     """K % 128 == 64 leaves a last int4 pair stored alone: both layouts are checked."""
-    w = _weight(37, k, bits, k + bits)
+    w = _weight(37, k, bits, k + bits, group)
+    scale, offset = SCALES[scales](w)
+    assert scale.dtype == getattr(torch, scales)
     packed = cpu_quant.pack(w.codes, bits)
     assert packed.shape == (37, k // 2 if bits == 4 else k)
     out = torch.empty(30, k)
-    cpu_quant.quant_dequant(_lib(build), packed, bits, w.scale, w.offset, 5, 35, out)
+    cpu_quant.quant_dequant(_lib(build), packed, bits, scale, offset, 5, 35, out)
     assert torch.equal(out, w.dequantize()[5:35])
 
 
 @pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (4, 64), (8, 192)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17, 32])
-def test_gemm_matches_float64(build: str, bits: int, rows: int) -> None:
+def test_gemm_matches_float64(build: str, scales: str, bits: int, group: int, rows: int) -> None:
     """N = 67: a remainder after the 4-channel tiles of one row; rows > 8: several 8-row tiles."""
-    w = _weight(67, 192, bits, rows)
+    w = _weight(67, 192, bits, rows, group)
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, :32] *= 100  # an outlier block: the int8 planes scale per 32-element block
     ref = x.double() @ w.dequantize().double().t()
-    y = cpu_quant.quant_gemm(_lib(build), x, cpu_quant.pack(w.codes, bits), bits, w.scale, w.offset)
+    y = cpu_quant.quant_gemm(_lib(build), x, cpu_quant.pack(w.codes, bits), bits, *SCALES[scales](w))
     rel = ((y.double() - ref).abs().max() / ref.abs().max()).item()
     assert rel < (1e-6 if build == "portable" or cpu_quant.isa(_lib(build)) == "f32" else 2e-4), rel
 
 
 def test_zero_input_gives_the_zero_output() -> None:
     w = _weight(8, 64, 4, 0)
-    y = cpu_quant.quant_gemm(_lib("native"), torch.zeros(2, 64), cpu_quant.pack(w.codes, 4), 4, w.scale, w.offset)
+    y = cpu_quant.quant_gemm(_lib("native"), torch.zeros(2, 64), cpu_quant.pack(w.codes, 4), 4, w.scale,
+                             w.offset)
     assert torch.equal(y, torch.zeros(2, 8))
 
 
@@ -89,7 +101,7 @@ def test_native_quant_linear_decode_and_prefill_paths(rows: int) -> None:
     weight = quantize_rtn_symmetric(torch.randn(96, 128, generator=gen), "w")  # int8 per channel
     bias = torch.randn(96, generator=gen)
     layer = quant_linear_for(weight, bias, "w", "cpu")
-    assert isinstance(layer, NativeQuantLinear) and layer.scale.shape == (96, 4)  # one scale per 32 elements
+    assert isinstance(layer, NativeQuantLinear) and layer.scale.shape == (96, 1)  # one scale per channel
     assert torch.equal(layer.dequantize(), weight.dequantize())
     x = torch.randn(rows, 128, generator=gen)
     ref = x.double() @ weight.dequantize().double().t() + bias.double()
@@ -100,6 +112,7 @@ def test_native_quant_linear_decode_and_prefill_paths(rows: int) -> None:
 
 def test_shapes_the_layout_cannot_take_keep_torchs_kernels(monkeypatch) -> None:
     assert isinstance(quant_linear_for(_weight(64, 96, 4, 0), None, "w", "cpu"), QuantLinear)  # K % 64 != 0
+    assert not cpu_quant.takes(192, 96) and cpu_quant.takes(192, 192) and cpu_quant.takes(64, 32)
     monkeypatch.setenv(cpu_quant.KERNEL_ENV, "torch")
     assert isinstance(quant_linear_for(_weight(64, 128, 4, 0), None, "w", "cpu"), QuantLinear)
     assert cpu_quant.unavailable_reason() == f"{cpu_quant.KERNEL_ENV}=torch"

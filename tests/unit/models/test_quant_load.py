@@ -1,6 +1,6 @@
 """Loading quantized: which linears each mode takes from GGUF blocks or rounds to nearest, and refusals.
 
-The kernel names pinned here are torch's (PDSERVE_CPU_QUANT_KERNEL=torch); the native kernel's choice and
+The kernel names pinned here are torch's (PDSERVE_CPU_KERNELS=torch); the native kernel's choice and
 accuracy are tested in tests/unit/kernels/test_cpu_quant.py and, on the served model, in
 tests/correctness/test_quantized_parity.py; test_native_kernel_serves_the_same_choices runs it here."""
 

@@ -45,7 +45,7 @@ def test_int8_reads_its_codes_and_kernel_scales_not_its_exact_scales(tmp_path: P
     assert exact > 0 and decode_read_bytes(model) + exact <= sum(m.nbytes() for m in quant) + norms
     assert describe_weights(model, config, ensure_tiny_checkpoint(tmp_path), "int8") == (
         "quantization int8: 17 linears int8 (rounded to nearest, kernel int8_channel) (native kernel "
-        "unavailable: PDSERVE_CPU_QUANT_KERNEL=torch); embedding float")
+        "unavailable: PDSERVE_CPU_KERNELS=torch); embedding float")
 
 
 def test_gguf_auto_names_each_linears_blocks(tmp_path: Path, llama_gguf, monkeypatch) -> None:
@@ -71,8 +71,8 @@ def test_native_int8_reads_its_codes_and_block_scales(tmp_path: Path) -> None:
     native = [m for m in model.modules() if isinstance(m, NativeQuantLinear)]
     torch_kernel = [m for m in model.modules() if isinstance(m, QuantLinear)]  # K not a multiple of 64
     assert native and len(native) + len(torch_kernel) == 17
-    # 1 byte per weight + a float32 scale and offset per 32 elements, all read by the kernel
-    codes = sum(m.in_features * m.out_features * 5 // 4 for m in native)
+    # 1 byte per weight + a float32 scale and offset per output row, all read by the kernel
+    codes = sum(m.in_features * m.out_features + 8 * m.out_features for m in native)
     codes += sum(m.in_features * m.out_features + 2 * m.out_features for m in torch_kernel)
     norms = sum(_nbytes(p) for n, p in model.named_parameters() if "norm" in n)
     assert decode_read_bytes(model) == codes + norms

@@ -1,0 +1,46 @@
+"""Decode attention and the KV store over the paged float32 cache on CPU, through the native library
+(`cpu/paged_decode.c`, built by pdserve.kernels.cpu_native): one call per decode group where torch's path
+gathers the blocks, pads and runs scaled_dot_product_attention (about 100 us a layer at one sequence)."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.kernels.cpu_native import library
+
+
+def native_cache(*tensors: torch.Tensor) -> bool:
+    """The native path takes these: plain contiguous float32 CPU tensors, and the library is built."""
+    return all(
+        type(t) is torch.Tensor and t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+        for t in tensors
+    ) and library() is not None
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, H, D] float32 -> [n, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [n, width]
+    int64; context_lens [n] int64 (the current token included)."""
+    q = q.contiguous()
+    n, heads, head_dim = q.shape
+    tables, lens = block_tables.contiguous(), context_lens.contiguous()
+    out = torch.empty_like(q)
+    library().pd_paged_decode(
+        q.data_ptr(), n, heads, k_cache.shape[2], head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.shape[1], tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale, out.data_ptr(),
+    )
+    return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """Write k, v [T, Hkv, D] at their slots; False (nothing written) when the rows are not in the layout
+    the kernel reads (each token's heads contiguous, k and v with the same token stride)."""
+    tokens, kv_heads, head_dim = k.shape
+    row = kv_heads * head_dim
+    if (k.stride(2), k.stride(1)) != (1, head_dim) or k.stride() != v.stride() or k.dtype is not torch.float32:
+        return False
+    slots = slot_mapping.contiguous()
+    library().pd_store_kv(k.data_ptr(), v.data_ptr(), tokens, k.stride(0), row, slots.data_ptr(),
+                          k_cache.data_ptr(), v_cache.data_ptr())
+    return True
