@@ -32,7 +32,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # group (0.5 + 4/32) read, + float32 exact scale and offset per group (8/32) held for the dequantizing path.
 # int8: a GGUF Q8_0's two 4-bit planes (1 + 8/32 read, + 8/32 held); a float checkpoint's per-channel int8
 # reads about 1.0. fp8: 1 byte and a per-channel scale (GPU only; not served yet).
-QUANT_WEIGHT_BYTES = {"int4": (0.875, 0.625), "int8": (1.5, 1.25), "fp8": (1.0, 1.0)}
+# (held, read) bytes per weight under the native CPU kernel (pdserve.kernels.cpu_quant): codes + float16 scale
+# and offset per 32, held once and read whole (torch's kernels held int4 0.875 / read 0.625, int8 1.5 / 1.25)
+QUANT_WEIGHT_BYTES = {"int4": (0.625, 0.625), "int8": (1.125, 1.125), "fp8": (1.0, 1.0)}
 PLAN_QUANTIZATIONS = ("none", *QUANT_WEIGHT_BYTES)
 # quantized KV caches: bytes per value, and float16 scale bytes per (token, layer, K/V, KV head)
 KV_VALUE_BYTES = {"int8": 1, "fp8_e4m3": 1}

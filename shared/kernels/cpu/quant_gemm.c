@@ -41,33 +41,49 @@ void pd_quant_dequant_row(const qweight *w, int64_t n, float *out);
 #define MT_MAX 8
 #define NT_MAX 4
 
+/* one 32-element block of x (v0, v1) in two int8 planes: 16 dwords of hi and of lo, scale s / 256 */
+static inline __attribute__((always_inline)) void block_planes(__m512 v0, __m512 v1, __m256i *hi, __m256i *lo,
+                                                               float *s256) {
+    const __m512 mag = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+    const float amax = _mm512_reduce_max_ps(mag);
+    const float s = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / s;
+    *s256 = s / 256.0f;
+    const __m512 vs = _mm512_set1_ps(s), vinv = _mm512_set1_ps(inv), v256 = _mm512_set1_ps(inv * 256.0f);
+    const __m512 top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
+    const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512 h0 = _mm512_roundscale_ps(_mm512_mul_ps(v0, vinv), mode);
+    const __m512 h1 = _mm512_roundscale_ps(_mm512_mul_ps(v1, vinv), mode);
+    const __m512 l0 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_fnmadd_ps(h0, vs, v0), v256), mode);
+    const __m512 l1 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_fnmadd_ps(h1, vs, v1), v256), mode);
+    *hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(h0))),
+                                  _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(h1)), 1);
+    *lo = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(l0, top), bottom)))),
+        _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(l1, top), bottom))), 1);
+}
+
 /* x in two int8 planes per 32-element block b: x ~ s_b * (hi + lo / 256), |error| <= s_b / 512 with
- * s_b = max|x| / 127 over the block; written in the packed element order so that lane i of a 64-byte
- * pair-block reads block i % 2. gsum[m, g]: the exact sum of x over scale group g. */
+ * s_b = max|x| / 127 over the block; written in the packed element order (the 4-byte lanes of a pair
+ * alternate its two blocks). gsum[m, g]: the sum of x over scale group g. */
 static void quantize_x(const float *x, int64_t M, int64_t K, int64_t group, int8_t *hi, int8_t *lo, float *s256,
                        float *gsum) {
     const int64_t blocks = K / 32, groups = K / group;
+    const __m512i interleave = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t g = 0; g < groups; g++) gsum[m * groups + g] = 0.0f;
-        for (int64_t b = 0; b < blocks; b++) {
-            const float *xb = x + m * K + b * 32;
-            float amax = 0.0f, sum = 0.0f;
-            for (int j = 0; j < 32; j++) {
-                amax = fmaxf(amax, fabsf(xb[j]));
-                sum += xb[j];
-            }
-            const float s = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / s;
-            s256[m * blocks + b] = s / 256.0f;
-            gsum[m * groups + b * 32 / group] += sum;
-            const int64_t pair = b / 2, block = b % 2;
-            for (int j = 0; j < 32; j++) {
-                const float h = nearbyintf(xb[j] * inv);
-                float l = nearbyintf((xb[j] - h * s) * inv * 256.0f);
-                l = l > 127.0f ? 127.0f : (l < -127.0f ? -127.0f : l);
-                const int64_t at = m * K + pair * 64 + 4 * (2 * (j / 4) + block) + j % 4;
-                hi[at] = (int8_t)h;
-                lo[at] = (int8_t)l;
-            }
+        for (int64_t p = 0; p < K / 64; p++) {
+            const float *xp = x + m * K + p * 64;
+            __m512 v[4];
+            for (int j = 0; j < 4; j++) v[j] = _mm512_loadu_ps(xp + 16 * j);
+            __m256i ha, la, hb, lb;
+            block_planes(v[0], v[1], &ha, &la, s256 + m * blocks + 2 * p);
+            block_planes(v[2], v[3], &hb, &lb, s256 + m * blocks + 2 * p + 1);
+            gsum[m * groups + p * 64 / group] += _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+            gsum[m * groups + (p * 64 + 32) / group] += _mm512_reduce_add_ps(_mm512_add_ps(v[2], v[3]));
+            const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(ha), hb, 1);
+            const __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512(la), lb, 1);
+            _mm512_storeu_si512(hi + m * K + p * 64, _mm512_permutexvar_epi32(interleave, h));
+            _mm512_storeu_si512(lo + m * K + p * 64, _mm512_permutexvar_epi32(interleave, l));
         }
     }
 }
