@@ -25,10 +25,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     n, heads, head_dim = q.shape
     tables, lens = block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty_like(q)
-    library().pd_paged_decode(
+    if library().pd_paged_decode(
         q.data_ptr(), n, heads, k_cache.shape[2], head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        k_cache.shape[1], tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale, out.data_ptr(),
-    )
+        k_cache.shape[0], k_cache.shape[1], tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
+        out.data_ptr(),
+    ):
+        raise IndexError(f"decode attention: a context outruns its block table or a block id is outside the "
+                         f"cache's {k_cache.shape[0]} blocks")
     return out
 
 
@@ -41,6 +44,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if (k.stride(2), k.stride(1)) != (1, head_dim) or k.stride() != v.stride() or k.dtype is not torch.float32:
         return False
     slots = slot_mapping.contiguous()
-    library().pd_store_kv(k.data_ptr(), v.data_ptr(), tokens, k.stride(0), row, slots.data_ptr(),
-                          k_cache.data_ptr(), v_cache.data_ptr())
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if library().pd_store_kv(k.data_ptr(), v.data_ptr(), tokens, k.stride(0), row, slots.data_ptr(), num_slots,
+                             k_cache.data_ptr(), v_cache.data_ptr()):
+        raise IndexError(f"KV store: a slot is outside the cache's {num_slots} slots")
     return True

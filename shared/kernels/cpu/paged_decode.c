@@ -8,11 +8,18 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* out[i, h] = softmax_s(scale * q[i, h] . k[i, s]) @ v[i, s] over s < context_lens[i]; q, out [n, H, D] */
-void pd_paged_decode(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D, const float *k_cache,
-                     const float *v_cache, int64_t block_size, const int64_t *block_tables, int64_t table_width,
-                     const int64_t *context_lens, float scale, float *out) {
+/* out[i, h] = softmax_s(scale * q[i, h] . k[i, s]) @ v[i, s] over s < context_lens[i]; q, out [n, H, D].
+ * Returns -1 (nothing computed) when a context outruns its table or a block id is outside the cache. */
+int pd_paged_decode(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D, const float *k_cache,
+                    const float *v_cache, int64_t num_blocks, int64_t block_size, const int64_t *block_tables,
+                    int64_t table_width, const int64_t *context_lens, float scale, float *out) {
     const int64_t group = H / Hkv, token_stride = Hkv * D;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t len = context_lens[i];
+        if (len < 1 || len > table_width * block_size) return -1;
+        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++)
+            if (block_tables[i * table_width + b] < 0 || block_tables[i * table_width + b] >= num_blocks) return -1;
+    }
 #pragma omp parallel
     {
         float *scores = NULL;
@@ -58,14 +65,19 @@ void pd_paged_decode(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t 
             }
         free(scores);
     }
+    return 0;
 }
 
 /* cache slot slots[t] (block * block_size + offset) <- row t of k and of v ([T, Hkv * D] rows, `stride`
- * floats apart: views into the fused qkv output) */
-void pd_store_kv(const float *k, const float *v, int64_t T, int64_t stride, int64_t row, const int64_t *slots,
-                 float *k_cache, float *v_cache) {
+ * floats apart: views into the fused qkv output). Returns -1 (nothing written) when a slot is outside the
+ * cache's num_slots. */
+int pd_store_kv(const float *k, const float *v, int64_t T, int64_t stride, int64_t row, const int64_t *slots,
+                int64_t num_slots, float *k_cache, float *v_cache) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
     for (int64_t t = 0; t < T; t++) {
         memcpy(k_cache + slots[t] * row, k + t * stride, row * sizeof(float));
         memcpy(v_cache + slots[t] * row, v + t * stride, row * sizeof(float));
     }
+    return 0;
 }

@@ -71,3 +71,17 @@ def test_layouts_the_kernels_do_not_read_go_to_torch() -> None:
     assert not native_cache(k_cache.half()) and not native_cache(k_cache.transpose(1, 2))
     k = torch.randn(2, HEAD_DIM, KV_HEADS).transpose(1, 2)  # heads not contiguous within a token
     assert not store_kv(k, k, k_cache, k_cache.clone(), torch.tensor([0, 1]))
+
+
+def test_out_of_range_slots_and_blocks_raise_and_touch_nothing() -> None:
+    k_cache, v_cache = _caches(2)
+    before = k_cache.clone()
+    k = torch.randn(2, KV_HEADS, HEAD_DIM)
+    for slots in ([0, NUM_BLOCKS * BLOCK], [-1, 0]):
+        with pytest.raises(IndexError, match="slot"):
+            store_kv(k, k, k_cache, v_cache, torch.tensor(slots))
+    assert torch.equal(k_cache, before)
+    q = torch.randn(1, 9, HEAD_DIM)
+    for table, length in (([[NUM_BLOCKS]], 3), ([[0]], BLOCK + 1), ([[-2]], 1)):
+        with pytest.raises(IndexError, match="decode attention"):
+            paged_decode(q, k_cache, v_cache, torch.tensor(table), torch.tensor([length]), 0.125)
