@@ -23,7 +23,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     int64; context_lens [n] int64 (the current token included)."""
     q = q.contiguous()
     n, heads, head_dim = q.shape
-    tables, lens = block_tables.contiguous(), context_lens.contiguous()
+    tables = block_tables.to(torch.int64).contiguous()  # the kernel reads int64 (no copy when it is)
+    lens = context_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     if library().pd_paged_decode(
         q.data_ptr(), n, heads, k_cache.shape[2], head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
@@ -43,7 +44,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     row = kv_heads * head_dim
     if (k.stride(2), k.stride(1)) != (1, head_dim) or k.stride() != v.stride() or k.dtype is not torch.float32:
         return False
-    slots = slot_mapping.contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if library().pd_store_kv(k.data_ptr(), v.data_ptr(), tokens, k.stride(0), row, slots.data_ptr(), num_slots,
                              k_cache.data_ptr(), v_cache.data_ptr()):

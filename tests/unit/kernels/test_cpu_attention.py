@@ -85,3 +85,16 @@ def test_out_of_range_slots_and_blocks_raise_and_touch_nothing() -> None:
     for table, length in (([[NUM_BLOCKS]], 3), ([[0]], BLOCK + 1), ([[-2]], 1)):
         with pytest.raises(IndexError, match="decode attention"):
             paged_decode(q, k_cache, v_cache, torch.tensor(table), torch.tensor([length]), 0.125)
+
+
+def test_int32_tables_lengths_and_slots_are_read_as_int64() -> None:
+    k_cache, v_cache = _caches(3)
+    q = torch.randn(2, 9, HEAD_DIM)
+    tables, lens = torch.tensor([[3, 4], [5, 0]]), torch.tensor([20, 7])
+    wide = paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    assert torch.equal(paged_decode(q, k_cache, v_cache, tables.int(), lens.int(), 0.125), wide)
+    k = torch.randn(2, KV_HEADS, HEAD_DIM)
+    caches = [torch.zeros_like(k_cache) for _ in range(4)]
+    store_kv(k, k, caches[0], caches[1], torch.tensor([5, 40]))
+    store_kv(k, k, caches[2], caches[3], torch.tensor([5, 40], dtype=torch.int32))
+    assert torch.equal(caches[0], caches[2]) and caches[0].view(-1, KV_HEADS, HEAD_DIM)[40].equal(k[1])
