@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
 from pdserve.kernels.cpu_native import CACHE_ENV, FLAGS, KERNEL_ENV, _load, library, unavailable_reason
 
 __all__ = ["CACHE_ENV", "FLAGS", "KERNEL_ENV", "PAIR", "_load", "isa", "library", "pack", "pack_order",

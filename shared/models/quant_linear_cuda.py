@@ -8,8 +8,9 @@ it without triton, and triton.jit picks compiler or interpreter at decoration ti
 from __future__ import annotations
 
 import torch
-from pdserve.models.quantization import QuantizedWeight
 from torch import nn
+
+from pdserve.models.quantization import QuantizedWeight
 
 
 def _pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,11 @@ matmul.
 from __future__ import annotations
 
 import torch
-from pdserve.kernels import cpu_quant
-from pdserve.models.quant_linear import DEQUANT_CHUNK, MAX_KERNEL_ROWS, _scratch
-from pdserve.models.quantization import QuantizedWeight
 from torch import nn
+
+from pdserve.kernels import cpu_quant
+from pdserve.models.quant_linear import DEQUANT_CHUNK, MAX_KERNEL_ROWS, QuantLinear, _scratch
+from pdserve.models.quantization import QuantizedWeight
 
 
 def native_kernel_takes(weight: QuantizedWeight) -> bool:
@@ -71,10 +72,7 @@ class NativeQuantLinear(nn.Module):
         end = min(end or self.out_features, self.out_features)
         return self.dequantize_into(start, end).clone()
 
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers()) + (
-            self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
-        )
+    nbytes = QuantLinear.nbytes  # every buffer and the bias
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}, bits={self.bits}"

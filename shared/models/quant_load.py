@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from torch import nn
+
 from pdserve.models.config import ModelConfig
 from pdserve.models.gguf import QUANTIZED_FILE
 from pdserve.models.linear import Linear
@@ -30,8 +33,6 @@ from pdserve.models.quantization import (
     quantize_rtn_symmetric,
     target_bits,
 )
-from safetensors import safe_open
-from torch import nn
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 EMBEDDING = "model.embed_tokens.weight"

@@ -7,13 +7,14 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from pdserve.kernels import cpu_quant
 from pdserve.models.config import ModelConfig
 from pdserve.models.linear import Linear
 from pdserve.models.quant_linear import QuantEmbedding, QuantLinear
 from pdserve.models.quant_linear_native import NativeQuantLinear
 from pdserve.models.quant_load import linear_sources, read_block_types
-from torch import nn
 
 # buffers a QuantLinear's kernel path reads at up to `max_kernel_rows` rows; its float32 `scale` and
 # `offset` serve the dequantizing path of longer batches only (NativeQuantLinear's kernel reads all three)

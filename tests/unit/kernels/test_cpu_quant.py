@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+
 from pdserve.kernels import cpu_quant
 from pdserve.models.quant_linear import QuantLinear
 from pdserve.models.quant_linear_cuda import quant_linear_for

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from pdserve.kernels.fp8_matmul import (
     device_has_fp8,
     fp8_matmul,
