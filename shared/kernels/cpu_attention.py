@@ -9,18 +9,21 @@ import torch
 from pdserve.kernels.cpu_native import library
 
 
-def native_cache(*tensors: torch.Tensor) -> bool:
-    """The native path takes these: plain contiguous float32 CPU tensors, and the library is built."""
+def native_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The native path takes these: plain float32 CPU caches [num_blocks, block_size, Hkv, D], each block
+    contiguous and both with the same block stride (a layer's view of the engine's pool), and the library
+    is built."""
     return all(
-        type(t) is torch.Tensor and t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-        for t in tensors
-    ) and library() is not None
+        type(t) is torch.Tensor and t.dtype is torch.float32 and t.device.type == "cpu" and t.dim() == 4
+        and t.stride()[1:] == (t.shape[2] * t.shape[3], t.shape[3], 1) and t.stride(0) >= t[0].numel()
+        for t in (k_cache, v_cache)
+    ) and k_cache.stride() == v_cache.stride() and library() is not None
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, H, D] float32 -> [n, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [n, width]
-    int64; context_lens [n] int64 (the current token included)."""
+    """q [n, H, D] float32 -> [n, H, D]; caches [num_blocks, block_size, Hkv, D] (blocks may be strided:
+    `native_cache`); block_tables [n, width] int64; context_lens [n] int64 (the current token included)."""
     q = q.contiguous()
     n, heads, head_dim = q.shape
     tables = block_tables.to(torch.int64).contiguous()  # the kernel reads int64 (no copy when it is)
@@ -28,7 +31,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q)
     if library().pd_paged_decode(
         q.data_ptr(), n, heads, k_cache.shape[2], head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        k_cache.shape[0], k_cache.shape[1], tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
+        k_cache.shape[0], k_cache.shape[1], k_cache.stride(0), tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
         out.data_ptr(),
     ):
         raise IndexError(f"decode attention: a context outruns its block table or a block id is outside the "
@@ -45,8 +48,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if (k.stride(2), k.stride(1)) != (1, head_dim) or k.stride() != v.stride() or k.dtype is not torch.float32:
         return False
     slots = slot_mapping.to(torch.int64).contiguous()
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if library().pd_store_kv(k.data_ptr(), v.data_ptr(), tokens, k.stride(0), row, slots.data_ptr(), num_slots,
-                             k_cache.data_ptr(), v_cache.data_ptr()):
-        raise IndexError(f"KV store: a slot is outside the cache's {num_slots} slots")
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    if library().pd_store_kv(k.data_ptr(), v.data_ptr(), tokens, k.stride(0), row, slots.data_ptr(), num_blocks,
+                             block_size, k_cache.stride(0), k_cache.data_ptr(), v_cache.data_ptr()):
+        raise IndexError(f"KV store: a slot is outside the cache's {num_blocks * block_size} slots")
     return True

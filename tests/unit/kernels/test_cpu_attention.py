@@ -16,16 +16,30 @@ if cpu_native.library() is None:
 NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM = 32, 16, 3, 64
 
 
-def _caches(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _caches(seed: int, layout: str = "pool") -> tuple[torch.Tensor, torch.Tensor]:
+    """"pool": layer 1's K and V views of a 3-layer pool [blocks, layers, 2, block, Hkv, D], as the engine
+    allocates them (pdserve.kvcache.quant.allocate_kv_cache): blocks strided. "contiguous": two tensors."""
     gen = torch.Generator().manual_seed(seed)
+    if layout == "pool":
+        pool = torch.randn(NUM_BLOCKS, 3, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+        return pool[:, 1, 0], pool[:, 1, 1]
     shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
+def test_the_engines_caches_take_the_native_path() -> None:
+    from pdserve.engine.llm import LLM
+
+    caches = LLM(model="tiny", device="cpu").engine.runner.kv_caches
+    assert all(native_cache(k, v) for k, v in caches)
+    assert not caches[0][0].is_contiguous()  # the strided case is the one served
+
+
+@pytest.mark.parametrize("layout", ["pool", "contiguous"])
 @pytest.mark.parametrize("heads", [3, 9, 12])  # MHA, GQA 3, GQA 4 (torch's bmm path)
 @pytest.mark.parametrize("lens", [[1], [16], [37, 100, 5], [200, 200]])
-def test_decode_attention_matches_torchs_path(monkeypatch, heads: int, lens: list[int]) -> None:
-    k_cache, v_cache = _caches(len(lens) + heads)
+def test_decode_attention_matches_torchs_path(monkeypatch, heads: int, lens: list[int], layout: str) -> None:
+    k_cache, v_cache = _caches(len(lens) + heads, layout)
     gen = torch.Generator().manual_seed(heads)
     width = max((n + BLOCK - 1) // BLOCK for n in lens)
     tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=gen)[:width] for _ in lens])
@@ -57,30 +71,32 @@ def test_store_writes_strided_rows_of_the_fused_projection_like_torch(monkeypatc
     _, k, v = qkv.split([9 * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
     k, v = k.view(5, KV_HEADS, HEAD_DIM), v.view(5, KV_HEADS, HEAD_DIM)
     slots = torch.tensor([0, 17, 18, 511, 100])
-    native = [torch.zeros(NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM) for _ in range(2)]
+    pools = [torch.zeros(NUM_BLOCKS, 3, 2, BLOCK, KV_HEADS, HEAD_DIM) for _ in range(2)]
+    native = [pools[0][:, 1, 0], pools[0][:, 1, 1]]
     assert native_cache(*native) and store_kv(k, v, *native, slots)
     monkeypatch.setenv(cpu_native.KERNEL_ENV, "torch")
-    reference = [torch.zeros(NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM) for _ in range(2)]
+    reference = [pools[1][:, 1, 0], pools[1][:, 1, 1]]
     store_kvcache(k, v, *reference, slots)
-    assert torch.equal(native[0], reference[0]) and torch.equal(native[1], reference[1])
+    assert torch.equal(pools[0], pools[1])  # the other layers' slots untouched alike
     assert not native_cache(*reference)  # PDSERVE_CPU_KERNELS=torch
 
 
 def test_layouts_the_kernels_do_not_read_go_to_torch() -> None:
     k_cache, _ = _caches(1)
-    assert not native_cache(k_cache.half()) and not native_cache(k_cache.transpose(1, 2))
+    assert not native_cache(k_cache.half(), k_cache.half()) and not native_cache(k_cache, k_cache.transpose(1, 2))
+    assert not native_cache(k_cache, _caches(1, "contiguous")[1])  # K and V with different block strides
     k = torch.randn(2, HEAD_DIM, KV_HEADS).transpose(1, 2)  # heads not contiguous within a token
     assert not store_kv(k, k, k_cache, k_cache.clone(), torch.tensor([0, 1]))
 
 
 def test_out_of_range_slots_and_blocks_raise_and_touch_nothing() -> None:
     k_cache, v_cache = _caches(2)
-    before = k_cache.clone()
+    before = k_cache._base.clone()
     k = torch.randn(2, KV_HEADS, HEAD_DIM)
     for slots in ([0, NUM_BLOCKS * BLOCK], [-1, 0]):
         with pytest.raises(IndexError, match="slot"):
             store_kv(k, k, k_cache, v_cache, torch.tensor(slots))
-    assert torch.equal(k_cache, before)
+    assert torch.equal(k_cache._base, before)
     q = torch.randn(1, 9, HEAD_DIM)
     for table, length in (([[NUM_BLOCKS]], 3), ([[0]], BLOCK + 1), ([[-2]], 1)):
         with pytest.raises(IndexError, match="decode attention"):
