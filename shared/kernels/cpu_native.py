@@ -2,7 +2,9 @@
 
 - `cpu/quant_gemm.c`: weight-only int4/int8 linears (pdserve.kernels.cpu_quant);
 - `cpu/paged_decode.c`: decode attention over the paged float32 KV cache and the KV store
-  (pdserve.kernels.cpu_attention).
+  (pdserve.kernels.cpu_attention);
+- `cpu/norm_rope.c`: float32 RMSNorm and rotary embedding (pdserve.kernels.cpu_layers);
+- `cpu/decode_layers.c`: every decoder layer of a decode step in one call (pdserve.models.fused_decode).
 
 Compiled with the system C compiler (`cc -O3 -march=native -fopenmp`, about two seconds) into
 `$PDSERVE_KERNEL_CACHE` (default `$PDSERVE_CACHE/kernels`, `~/.cache/pdserve/kernels`), keyed by the
@@ -26,7 +28,8 @@ import torch  # noqa: F401  (loaded first: the library's libgomp.so.1 resolves t
 
 KERNEL_ENV = "PDSERVE_CPU_KERNELS"
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"
-SOURCES = tuple(Path(__file__).parent / "cpu" / name for name in ("quant_gemm.c", "paged_decode.c"))
+SOURCES = tuple(Path(__file__).parent / "cpu" / name
+                for name in ("quant_gemm.c", "paged_decode.c", "norm_rope.c", "decode_layers.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -75,6 +78,14 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.pd_paged_decode.restype = ctypes.c_int
     lib.pd_store_kv.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr]
     lib.pd_store_kv.restype = ctypes.c_int
+    lib.pd_rms_norm.argtypes = [ptr, ptr, i64, i64, ctypes.c_float, ptr]
+    lib.pd_rms_norm.restype = None
+    lib.pd_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.pd_rotary.restype = ctypes.c_int
+    lib.pd_decode_scratch.argtypes = [ptr, i64]
+    lib.pd_decode_scratch.restype = i64
+    lib.pd_decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]
+    lib.pd_decode_layers.restype = ctypes.c_int
     return lib
 
 

@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import cpu_layers
 from pdserve.models.attention import AttentionMetadata, paged_attention
 from pdserve.models.config import ModelConfig
+from pdserve.models.fused_decode import FusedDecode
 from pdserve.models.linear import Linear
 from pdserve.models.rotary import RotaryEmbedding
 
@@ -24,8 +26,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, bit-identical to the steps below in float32 (half the time)
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dtype == torch.float32:
+            # the native kernel (within an ulp of the steps below), else torch's op (bit-identical to them)
+            out = cpu_layers.rms_norm(x, self.weight, self.eps)
+            return out if out is not None else F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -105,9 +109,21 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden [T, hidden]
         x = self.embed_tokens(input_ids)
+        fused = self._fused_decode(kv_caches)
+        if fused is not None and fused.takes(x, meta):
+            return self.norm(fused(x, positions, meta))
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(positions, x, kv_cache, meta)
         return self.norm(x)
+
+    def _fused_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedDecode | None:
+        """The one-call decode path for these caches, built on first use (None where the model or caches do
+        not fit it: pdserve.models.fused_decode)."""
+        cached = self.__dict__.get("_fused")
+        if cached is None or cached[0] is not kv_caches:
+            fused = FusedDecode(self, kv_caches) if FusedDecode.supports(self, kv_caches) else None
+            self.__dict__["_fused"] = cached = (kv_caches, fused)
+        return cached[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from pdserve.kernels import cpu_layers
 from pdserve.models.config import RopeConfig
 
 
@@ -39,6 +40,10 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
+        if q.dtype is torch.float32:  # the native kernel, bit-identical to _rotate
+            rotated = cpu_layers.rotary(q, positions, self.cos, self.sin), cpu_layers.rotary(k, positions, self.cos, self.sin)
+            if rotated[0] is not None and rotated[1] is not None:
+                return rotated
         cos, sin = self._cos_sin(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
