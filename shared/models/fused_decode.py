@@ -3,8 +3,8 @@ models whose linears are all served by the native quantized kernel on CPU in flo
 
 The per-op path costs about twenty torch ops and a dozen module calls a layer, which at one token take
 longer than the layer's arithmetic outside its weight reads; the native call runs the same kernels
-(pdserve.kernels.cpu_quant, cpu_attention, cpu_layers) back to back. Steps with prefill chunks, several
-decode groups, other linears, biases or another attention backend take the per-op path.
+(pdserve.kernels.cpu_quant, cpu_attention, cpu_layers) back to back. Steps with prefill chunks, other
+linears, biases or another attention backend take the per-op path.
 """
 
 from __future__ import annotations
@@ -87,29 +87,29 @@ class FusedDecode:
             return False
         if len(kv_caches) != len(model.layers) or not _f32(model.layers[0].self_attn.rotary.cos):
             return False
+        if not all(native_cache(k_cache, v_cache) for k_cache, v_cache in kv_caches):  # quantized caches: no
+            return False
         strides = {k.stride() for k, _ in kv_caches}
-        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+        for layer in model.layers:
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             if not all(type(lin) is NativeQuantLinear and lin.bias is None for lin in linears):
                 return False
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if not all(_f32(w) for w in norms) or not native_cache(k_cache, v_cache):
+            if not all(_f32(w) for w in norms):
                 return False
         return len(strides) == 1
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        return (meta.backend == "torch" and not meta.prefills and len(meta.decode_groups) == 1
+        return (meta.backend == "torch" and not meta.prefills and bool(meta.decode_groups)
                 and meta.num_decode_tokens == x.shape[0] and x.dtype is torch.float32 and x.is_contiguous()
                 and not torch.is_grad_enabled())
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # x: [n, hidden] float32, updated in place and returned
         n = x.shape[0]
-        group = meta.decode_groups[0]
+        tables, lens = _one_table(meta, n)
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        tables = group.block_tables.to(torch.int64).contiguous()
-        lens = group.context_lens.to(torch.int64).contiguous()
         need = self.lib.pd_decode_scratch(self._dims_ptr, n)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need)
@@ -119,3 +119,20 @@ class FusedDecode:
             raise IndexError("decode step: a position, slot or block id is outside its table, or a context "
                              "outruns its block table")
         return x
+
+
+def _one_table(meta: AttentionMetadata, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode groups' block tables as one [n, width] int64 table (zero-padded) and their context lengths
+    [n]: the native attention reads each row to its own length, so the grouping torch's padded gather needs
+    does not matter here."""
+    groups = meta.decode_groups
+    if len(groups) == 1:
+        return groups[0].block_tables.to(torch.int64).contiguous(), groups[0].context_lens.to(torch.int64).contiguous()
+    width = max(g.block_tables.shape[1] for g in groups)
+    tables = torch.zeros(n, width, dtype=torch.int64)
+    lens = torch.zeros(n, dtype=torch.int64)  # a row no group fills keeps length 0: the kernel refuses it
+    for g in groups:
+        rows = slice(g.start, g.start + g.num_seqs)
+        tables[rows, : g.block_tables.shape[1]] = g.block_tables
+        lens[rows] = g.context_lens
+    return tables, lens

@@ -83,3 +83,27 @@ def test_steps_it_does_not_take_and_bad_metadata(checkpoint: str) -> None:
             with pytest.raises(IndexError, match="decode step"):
                 fused(x.clone(), torch.tensor(positions), _meta(slots, tables, lens))
         assert torch.equal(runner.kv_pool, before)
+
+
+def test_several_decode_groups_run_as_one_table(checkpoint: str) -> None:
+    llm = LLM(model=checkpoint, device="cpu", quantization="int8")
+    runner = llm.engine.runner
+    fused = runner.model._fused_decode(runner.kv_caches)
+    assert runner.block_size == 16
+    gen = torch.Generator().manual_seed(0)
+    runner.kv_pool.copy_(torch.randn(runner.kv_pool.shape, generator=gen))
+    start = runner.kv_pool.clone()
+    x = torch.randn(3, CONFIG["hidden_size"], generator=gen)
+    # three sequences at positions 40, 3 and 4 (block size 16): blocks [0, 1, 2], [5] and [6]
+    positions, slots = torch.tensor([40, 3, 4]), torch.tensor([2 * 16 + 8, 5 * 16 + 3, 6 * 16 + 4])
+    groups = (DecodeGroup(0, torch.tensor([[0, 1, 2]]), torch.tensor([41]), 41),
+              DecodeGroup(1, torch.tensor([[5], [6]]), torch.tensor([4, 5]), 5))
+    two = AttentionMetadata(slot_mapping=slots, num_decode_tokens=3, decode_groups=groups, prefills=())
+    one = _meta(slots.tolist(), [[0, 1, 2], [5, 0, 0], [6, 0, 0]], [41, 4, 5])
+    with torch.inference_mode():
+        out_two = fused(x.clone(), positions, two)
+        after_two = runner.kv_pool.clone()
+        runner.kv_pool.copy_(start)
+        out_one = fused(x.clone(), positions, one)
+    assert torch.equal(out_two, out_one) and torch.equal(after_two, runner.kv_pool)
+    assert not torch.equal(after_two, start)
