@@ -205,6 +205,40 @@ void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, 
 
 int pd_quant_isa(void) { return 1; } /* 1: AVX-512 VNNI, x in two int8 planes; 0: portable float32 */
 
+/* the 64 codes of pair p of a row in position order, one byte each */
+static inline __attribute__((always_inline)) __m512i pair_codes(const qweight *w, const uint8_t *row, int64_t p) {
+    if (w->bits == 8) return _mm512_loadu_si512(row + p * 64);
+    if (p + 1 < w->K / 64 || p % 2 == 1) {
+        __m512i even, odd;
+        codes128(row + (p / 2) * 64, &even, &odd);
+        return p % 2 ? odd : even;
+    }
+    return codes64(row + p * 32); /* a last pair alone */
+}
+
+/* pd_quant_dequant_row, 16 elements at a time: the pair's 4-byte lanes regrouped by block (even lanes hold
+ * block A, odd lanes block B, each in element order), widened to float32, code * scale + offset in one
+ * fused rounding as the scalar code computes it */
+#define FAST_DEQUANT_ROW
+static void dequant_row_fast(const qweight *w, int64_t n, float *out) {
+    const int64_t K = w->K, groups = K / w->group;
+    const uint8_t *row = w->packed + n * row_bytes(w);
+    const __m512i by_block = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t p = 0; p < K / 64; p++) {
+        const __m512i codes = _mm512_permutexvar_epi32(by_block, pair_codes(w, row, p));
+        for (int block = 0; block < 2; block++) {
+            const int64_t g = n * groups + (p * 64 + block * 32) / w->group;
+            const __m512 d = _mm512_set1_ps(scale_at(w->scale, w->half, g));
+            const __m512 m = _mm512_set1_ps(scale_at(w->offset, w->half, g));
+            for (int j = 0; j < 2; j++) {
+                const __m128i bytes = _mm512_extracti32x4_epi32(codes, 2 * block + j);
+                const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+                _mm512_storeu_ps(out + p * 64 + block * 32 + j * 16, _mm512_fmadd_ps(c, d, m));
+            }
+        }
+    }
+}
+
 #else /* portable: float32 activations, exact */
 
 void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, int bits, const void *scale,
@@ -257,5 +291,11 @@ void pd_quant_dequant(const uint8_t *packed, int bits, const void *scale, const 
                       int64_t group, int64_t n0, int64_t n1, int64_t K, float *out) {
     const qweight w = {packed, scale, offset, bits, half, K, group};
 #pragma omp parallel for schedule(static)
-    for (int64_t n = n0; n < n1; n++) pd_quant_dequant_row(&w, n, out + (n - n0) * K);
+    for (int64_t n = n0; n < n1; n++) {
+#ifdef FAST_DEQUANT_ROW
+        dequant_row_fast(&w, n, out + (n - n0) * K);
+#else
+        pd_quant_dequant_row(&w, n, out + (n - n0) * K);
+#endif
+    }
 }
