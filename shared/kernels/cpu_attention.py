@@ -31,7 +31,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q)
     if library().pd_paged_decode(
         q.data_ptr(), n, heads, k_cache.shape[2], head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        k_cache.shape[0], k_cache.shape[1], k_cache.stride(0), tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
+        k_cache.shape[0], k_cache.shape[1], k_cache.stride(0), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+        scale,
         out.data_ptr(),
     ):
         raise IndexError(f"decode attention: a context outruns its block table or a block id is outside the "

@@ -10,14 +10,16 @@ from pdserve.kernels.cpu_native import library
 
 
 def _plain_f32(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype is torch.float32 and t.device.type == "cpu"
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype is torch.float32
+            and t.device.type == "cpu")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * x / rms(x) over the last dim, or None where the native path does not take x (not a
     contiguous float32 CPU tensor, autograd on, or no library)."""
     lib = library()
-    if lib is None or not (_plain_f32(x) and _plain_f32(weight) and x.is_contiguous()) or torch.is_grad_enabled():
+    if (lib is None or not (_plain_f32(x) and _plain_f32(weight) and x.is_contiguous())
+            or torch.is_grad_enabled()):
         return None
     size = x.shape[-1]
     out = torch.empty_like(x)
@@ -25,7 +27,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return out
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> torch.Tensor | None:
     """x [T, heads, D] (tokens may be strided, heads and D packed) rotated at `positions` [T] into a new
     contiguous tensor, bit-identical to pdserve.models.rotary._rotate; None where the native path does not
     take it."""

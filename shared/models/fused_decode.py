@@ -17,14 +17,15 @@ from torch import nn
 from pdserve.kernels.cpu_attention import native_cache
 from pdserve.kernels.cpu_native import library
 from pdserve.models.attention import AttentionMetadata
+from pdserve.models.quant_linear import MAX_KERNEL_ROWS
 from pdserve.models.quant_linear_native import NativeQuantLinear
 
 i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 class QLinear(ctypes.Structure):
-    _fields_ = [("packed", ptr), ("scale", ptr), ("offset", ptr), ("bits", i64), ("half", i64), ("group", i64),
-                ("N", i64), ("K", i64)]
+    _fields_ = [("packed", ptr), ("scale", ptr), ("offset", ptr), ("bits", i64), ("half", i64),
+                ("group", i64), ("N", i64), ("K", i64)]
 
 
 class Layer(ctypes.Structure):
@@ -42,8 +43,8 @@ def _qlinear(linear: NativeQuantLinear, held: list[torch.Tensor]) -> QLinear:
     scale = linear.scale
     held += [linear.packed, scale, linear.offset]
     return QLinear(linear.packed.data_ptr(), scale.data_ptr(), linear.offset.data_ptr(), linear.bits,
-                   int(scale.dtype is torch.float16), linear.in_features // scale.shape[1], linear.out_features,
-                   linear.in_features)
+                   int(scale.dtype is torch.float16), linear.in_features // scale.shape[1],
+                   linear.out_features, linear.in_features)
 
 
 def _f32(t: torch.Tensor) -> bool:
@@ -72,8 +73,9 @@ class FusedDecode:
             record.k_cache, record.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         k_cache = kv_caches[0][0]
         self.dims = Dims(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                         c.rms_norm_eps, model.layers[0].self_attn.scale, rotary.cos.data_ptr(), rotary.sin.data_ptr(),
-                         rotary.cos.shape[0], k_cache.shape[0], k_cache.shape[1], k_cache.stride(0))
+                         c.rms_norm_eps, model.layers[0].self_attn.scale, rotary.cos.data_ptr(),
+                         rotary.sin.data_ptr(), rotary.cos.shape[0], k_cache.shape[0], k_cache.shape[1],
+                         k_cache.stride(0))
         self.held = held
         self._layers_ptr, self._dims_ptr = ctypes.addressof(self.layers), ctypes.addressof(self.dims)
         self._scratch = torch.empty(0)
@@ -91,7 +93,8 @@ class FusedDecode:
             return False
         strides = {k.stride() for k, _ in kv_caches}
         for layer in model.layers:
-            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(type(lin) is NativeQuantLinear and lin.bias is None for lin in linears):
                 return False
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -100,7 +103,10 @@ class FusedDecode:
         return len(strides) == 1
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A decode-only step of at most MAX_KERNEL_ROWS sequences (above it the per-op path dequantizes
+        each weight once for a float32 matmul, as NativeQuantLinear does)."""
         return (meta.backend == "torch" and not meta.prefills and bool(meta.decode_groups)
+                and x.shape[0] <= MAX_KERNEL_ROWS
                 and meta.num_decode_tokens == x.shape[0] and x.dtype is torch.float32 and x.is_contiguous()
                 and not torch.is_grad_enabled())
 
@@ -114,8 +120,8 @@ class FusedDecode:
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need)
         if self.lib.pd_decode_layers(x.data_ptr(), n, self._dims_ptr, self._layers_ptr, len(self.layers),
-                                     positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                                     lens.data_ptr(), self._scratch.data_ptr()):
+                                     positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                                     tables.shape[1], lens.data_ptr(), self._scratch.data_ptr()):
             raise IndexError("decode step: a position, slot or block id is outside its table, or a context "
                              "outruns its block table")
         return x
@@ -127,7 +133,8 @@ def _one_table(meta: AttentionMetadata, n: int) -> tuple[torch.Tensor, torch.Ten
     does not matter here."""
     groups = meta.decode_groups
     if len(groups) == 1:
-        return groups[0].block_tables.to(torch.int64).contiguous(), groups[0].context_lens.to(torch.int64).contiguous()
+        group = groups[0]
+        return group.block_tables.to(torch.int64).contiguous(), group.context_lens.to(torch.int64).contiguous()
     width = max(g.block_tables.shape[1] for g in groups)
     tables = torch.zeros(n, width, dtype=torch.int64)
     lens = torch.zeros(n, dtype=torch.int64)  # a row no group fills keeps length 0: the kernel refuses it

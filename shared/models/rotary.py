@@ -41,9 +41,10 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
         if q.dtype is torch.float32:  # the native kernel, bit-identical to _rotate
-            rotated = cpu_layers.rotary(q, positions, self.cos, self.sin), cpu_layers.rotary(k, positions, self.cos, self.sin)
-            if rotated[0] is not None and rotated[1] is not None:
-                return rotated
+            rotated_q = cpu_layers.rotary(q, positions, self.cos, self.sin)
+            rotated_k = cpu_layers.rotary(k, positions, self.cos, self.sin)
+            if rotated_q is not None and rotated_k is not None:
+                return rotated_q, rotated_k
         cos, sin = self._cos_sin(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -83,7 +83,8 @@ def test_store_writes_strided_rows_of_the_fused_projection_like_torch(monkeypatc
 
 def test_layouts_the_kernels_do_not_read_go_to_torch() -> None:
     k_cache, _ = _caches(1)
-    assert not native_cache(k_cache.half(), k_cache.half()) and not native_cache(k_cache, k_cache.transpose(1, 2))
+    assert not native_cache(k_cache.half(), k_cache.half())
+    assert not native_cache(k_cache, k_cache.transpose(1, 2))
     assert not native_cache(k_cache, _caches(1, "contiguous")[1])  # K and V with different block strides
     k = torch.randn(2, HEAD_DIM, KV_HEADS).transpose(1, 2)  # heads not contiguous within a token
     assert not store_kv(k, k, k_cache, k_cache.clone(), torch.tensor([0, 1]))

@@ -35,7 +35,8 @@ def _generate(checkpoint: str, quantization: str, fused: bool, monkeypatch) -> l
         llm = LLM(model=checkpoint, device="cpu", quantization=quantization)
         model, caches = llm.engine.runner.model, llm.engine.runner.kv_caches
         assert (model._fused_decode(caches) is not None) == fused
-        return llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0))
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+        return llm.generate(PROMPTS, params)
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
@@ -60,8 +61,8 @@ def test_unquantized_models_and_torch_kernels_keep_the_per_op_path(checkpoint: s
 
 def _meta(slots: list[int], tables: list[list[int]], lens: list[int], prefills=()) -> AttentionMetadata:
     group = DecodeGroup(0, torch.tensor(tables), torch.tensor(lens), max(lens))
-    return AttentionMetadata(slot_mapping=torch.tensor(slots), num_decode_tokens=len(lens), decode_groups=(group,),
-                             prefills=prefills)
+    return AttentionMetadata(slot_mapping=torch.tensor(slots), num_decode_tokens=len(lens),
+                             decode_groups=(group,), prefills=prefills)
 
 
 def test_steps_it_does_not_take_and_bad_metadata(checkpoint: str) -> None:
@@ -72,7 +73,10 @@ def test_steps_it_does_not_take_and_bad_metadata(checkpoint: str) -> None:
     with torch.inference_mode():
         assert fused.takes(x, _meta([3], [[0]], [4]))
         chunk = PrefillChunk(1, 2, 2, torch.tensor([1]))
-        assert not fused.takes(torch.randn(3, CONFIG["hidden_size"]), _meta([3, 16, 17], [[0]], [4], (chunk,)))
+        mixed = _meta([3, 16, 17], [[0]], [4], (chunk,))
+        assert not fused.takes(torch.randn(3, CONFIG["hidden_size"]), mixed)
+        wide = _meta(list(range(40)), [[0, 1, 2]] * 40, [41] * 40)
+        assert not fused.takes(torch.randn(40, CONFIG["hidden_size"]), wide)  # above MAX_KERNEL_ROWS
         assert not fused.takes(x.double(), _meta([3], [[0]], [4]))
         before = runner.kv_pool.clone()
         blocks, block_size = runner.num_blocks, runner.block_size
