@@ -14,14 +14,27 @@ streamed text) is written as JSON for the test to judge.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
+
+
+@dataclass(frozen=True)
+class Serving:
+    base: str  # the HTTP API
+    names: list[str]  # applications
+    groups: dict[str, str]  # node id -> worker group
+    head_node_id: str
+    dashboard: str
+    deploy_s: float
 
 
 def _cpus(quantity: str | int | float) -> float:
@@ -62,7 +75,10 @@ def _metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     return [(s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name]
 
 
-def run(rayservice: dict[str, Any]) -> dict[str, Any]:
+@contextlib.contextmanager
+def serving(rayservice: dict[str, Any]) -> Iterator[Serving]:
+    """The RayService's cluster up with its serve config deployed and running; torn down on exit. Raises
+    RuntimeError when the applications do not reach RUNNING."""
     import os
 
     import ray
@@ -71,7 +87,6 @@ def run(rayservice: dict[str, Any]) -> dict[str, Any]:
     from ray.serve.config import gRPCOptions
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
-    from ray.util.state import list_actors
 
     from pdserve.runtime.redis_server import free_port
 
@@ -112,51 +127,74 @@ def run(rayservice: dict[str, Any]) -> dict[str, Any]:
             failed = {n: status.applications[n].message for n in names
                       if n in status.applications and status.applications[n].status in ("DEPLOY_FAILED", "UNHEALTHY")}
             if failed or time.monotonic() > deadline:
-                return {"error": f"applications not running: {states} {failed}"}
+                raise RuntimeError(f"applications not running: {states} {failed}")
             time.sleep(1)
-        deploy_s = time.monotonic() - t0
-        base = f"http://127.0.0.1:{http_port}"
-        from openai import OpenAI
-
-        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        prompt = "The cluster runs prefill on one node and decode on another; " * 6  # long: disaggregated
-        chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=12, stream=True,
-                                                extra_body={"ignore_eos": True}))
-        text = "".join(c.choices[0].text for c in chunks if c.choices)
-        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
-        transfers = [(l, v) for l, v in _metric_samples(metrics, "pdserve_kv_transfer_bytes_count")]
-        transferred = [(l, v) for l, v in _metric_samples(metrics, "pdserve_kv_transfer_bytes_sum")]
-        fallbacks = [(l, v) for l, v in _metric_samples(metrics, "pdserve_fallbacks_total")]
-        decisions = [(l, v) for l, v in _metric_samples(metrics, "pdserve_disaggregation_decisions_total")]
-        kvstore = (serve.get_app_handle("kvstore").stats.remote().result(timeout_s=60)
-                   if "kvstore" in names else None)
-        nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
-        replicas = []
-        for actor in list_actors(address=f"http://127.0.0.1:{dashboard_port}", filters=[("state", "=", "ALIVE")],
-                                 detail=True, limit=1000):
-            if not actor.class_name.startswith("ServeReplica:"):
-                continue
-            node = nodes.get(actor.node_id, {})
-            replicas.append({"class_name": actor.class_name, "name": actor.name, "node_id": actor.node_id,
-                             "group": groups.get(actor.node_id, "head" if actor.node_id == cluster.head_node.node_id else None),
-                             "labels": {k: v for k, v in node.get("Labels", {}).items() if not k.startswith("ray.io/")}})
-        return {
-            "deploy_s": deploy_s, "text": text, "num_chunks": len(chunks), "model": model,
-            "replicas": replicas, "groups": groups, "head_node_id": cluster.head_node.node_id,
-            "kv_transfers": [{"labels": l, "count": v} for l, v in transfers],
-            "kv_bytes": [{"labels": l, "sum": v} for l, v in transferred],
-            "fallbacks": [{"labels": l, "value": v} for l, v in fallbacks],
-            "decisions": [{"labels": l, "value": v} for l, v in decisions],
-            "kvstore_stats": kvstore,
-            "statuses": {n: status.applications[n].status for n in names},
-        }
+        yield Serving(f"http://127.0.0.1:{http_port}", names, groups, cluster.head_node.node_id,
+                      f"http://127.0.0.1:{dashboard_port}", time.monotonic() - t0)
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
             cluster.shutdown()
+
+
+def replica_nodes(serving: Serving) -> list[dict[str, Any]]:
+    """Each live Serve replica: class and actor name, node, the worker group of that node and its labels."""
+    import ray
+    from ray.util.state import list_actors
+
+    nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    replicas = []
+    for actor in list_actors(address=serving.dashboard, filters=[("state", "=", "ALIVE")], detail=True, limit=1000):
+        if not actor.class_name.startswith("ServeReplica:"):
+            continue
+        node = nodes.get(actor.node_id, {})
+        replicas.append({"class_name": actor.class_name, "name": actor.name, "node_id": actor.node_id,
+                         "group": serving.groups.get(actor.node_id, "head" if actor.node_id == serving.head_node_id else None),
+                         "labels": {k: v for k, v in node.get("Labels", {}).items() if not k.startswith("ray.io/")}})
+    return replicas
+
+
+def run(rayservice: dict[str, Any]) -> dict[str, Any]:
+    try:
+        with serving(rayservice) as up:
+            return _one_completion(up)
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+
+
+def _one_completion(up: Serving) -> dict[str, Any]:
+    from openai import OpenAI
+    from ray import serve
+
+    base, names = up.base, up.names
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    prompt = "The cluster runs prefill on one node and decode on another; " * 6  # long: disaggregated
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=12, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+    transfers = [(l, v) for l, v in _metric_samples(metrics, "pdserve_kv_transfer_bytes_count")]
+    transferred = [(l, v) for l, v in _metric_samples(metrics, "pdserve_kv_transfer_bytes_sum")]
+    fallbacks = [(l, v) for l, v in _metric_samples(metrics, "pdserve_fallbacks_total")]
+    decisions = [(l, v) for l, v in _metric_samples(metrics, "pdserve_disaggregation_decisions_total")]
+    kvstore = (serve.get_app_handle("kvstore").stats.remote().result(timeout_s=60)
+               if "kvstore" in names else None)
+    replicas = replica_nodes(up)
+    status = serve.status()
+    return {
+        "deploy_s": up.deploy_s, "text": text, "num_chunks": len(chunks), "model": model,
+        "replicas": replicas, "groups": up.groups, "head_node_id": up.head_node_id,
+        "kv_transfers": [{"labels": l, "count": v} for l, v in transfers],
+        "kv_bytes": [{"labels": l, "sum": v} for l, v in transferred],
+        "fallbacks": [{"labels": l, "value": v} for l, v in fallbacks],
+        "decisions": [{"labels": l, "value": v} for l, v in decisions],
+        "kvstore_stats": kvstore,
+        "statuses": {n: status.applications[n].status for n in names},
+    }
 
 
 def main(argv: list[str]) -> int:

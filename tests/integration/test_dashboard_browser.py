@@ -199,7 +199,8 @@ def chat_load(errors: list, num_threads: int = 3, per_thread: int = 2) -> thread
                 stream = client.chat.completions.create(
                     model=ms.MODEL, messages=[{"role": "user", "content": f"Describe city number {i * 10 + k}."}],
                     max_tokens=32, temperature=0, stream=True)
-                assert any(c.choices and c.choices[0].delta.content for c in stream)
+                chunks = list(stream)  # to the end: a stream left early ends as a disconnect, when it is noticed
+                assert any(c.choices and c.choices[0].delta.content for c in chunks)
         except Exception as exc:  # noqa: BLE001 - reported by the test
             errors.append(exc)
 
@@ -228,8 +229,12 @@ def test_tiles_under_load_match_the_routers_metrics(browser):
         Path(target).write_bytes(shot)
     load.join(180)
     assert not load.is_alive() and not errors, errors
-    time.sleep(2.5)  # the page's next polls see every request's end
-    after = scrape()
+    # the router records a request once its stream has ended: wait for all six, then the page's next polls
+    deadline, after = time.monotonic() + 30, scrape()
+    while window_buckets(before, after, "pdserve_e2e_request_latency_seconds")[-1][1] < 6:
+        assert time.monotonic() < deadline, "the router never recorded every request's end"
+        time.sleep(0.5)
+        after = scrape()
     polls = browser.page()["polls"]
     page = browser.wait("two answers after the scrape", lambda p: p["polls"] >= polls + 2, timeout=15)
     again = scrape()
