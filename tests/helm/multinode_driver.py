@@ -21,14 +21,12 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
 
-@dataclass(frozen=True)
-class Serving:
+class Serving(NamedTuple):
     base: str  # the HTTP API
     names: list[str]  # applications
     groups: dict[str, str]  # node id -> worker group
