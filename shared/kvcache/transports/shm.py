@@ -218,6 +218,7 @@ class ShmTransport(KVTransport):
         try:
             await self._send_status(conn, OK, "")
             if not flags & DIRECT:  # else the importer is reading the blocks out of the pool meanwhile
+                staging.reserve()
                 await self._send_blocks(conn, staging, slot_nbytes, export.block_ids)
             is_acked = await self._recv(conn, ACK, b"PDSA") is not None
         finally:

@@ -74,6 +74,18 @@ def staging_mappings(pid: int | str = "self") -> list[str]:
         return [line for line in f if f"memfd:{STAGING_NAME}" in line]
 
 
+def staging_rss_kb() -> int:
+    """Resident kB of this process's staging mappings."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:
+                inside = f"memfd:{STAGING_NAME}" in line
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
 def our_shm_files() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith(("pdkv", "pdserve"))}
 
@@ -114,6 +126,8 @@ def test_blocks_cross_between_two_processes_bit_exact_and_the_lease_is_released(
             assert importer.client.num_connections_opened == 1  # the second pull reused the connection
             assert (importer.client.num_direct_pulls, importer.client.num_staged_pulls) == ((2, 0) if direct_read else (0, 2))
             assert len(staging_mappings()) == 1
+            # the direct lane never touches the staging memory, so it holds no page; the staged one filled it
+            assert (staging_rss_kb() == 0) == direct_read, staging_rss_kb()
             await importer.close()
 
         asyncio.run(main())
