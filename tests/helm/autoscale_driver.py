@@ -18,12 +18,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.integration.autoscale_steps
 
-from multinode_driver import replica_nodes, serving  # noqa: E402
+from multinode_driver import Serving, replica_nodes, run_cli, serving  # noqa: E402
 
 from tests.integration.autoscale_steps import run_steps  # noqa: E402
 
 
-def placed(up: Any, want: dict[str, int], limit_s: float = 60) -> list[dict[str, Any]]:
+def placed(up: Serving, want: dict[str, int], limit_s: float = 60) -> list[dict[str, Any]]:
     """Where each replica runs, once every role has its `want` replicas alive (a starting one counts for Serve
     before its actor is), or as it is after `limit_s`."""
     deadline = time.monotonic() + limit_s
@@ -56,11 +56,5 @@ def run(rayservice: dict[str, Any]) -> dict[str, Any]:
         return {"error": str(exc)}
 
 
-def main(argv: list[str]) -> int:
-    result = run(json.loads(Path(argv[0]).read_text()))
-    Path(argv[1]).write_text(json.dumps(result, indent=2, default=str))
-    return 0 if "error" not in result else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_cli(run, sys.argv[1:]))

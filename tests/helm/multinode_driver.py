@@ -20,7 +20,7 @@ import math
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import yaml
@@ -195,12 +195,17 @@ def _one_completion(up: Serving) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str]) -> int:
-    rayservice = json.loads(open(argv[0]).read())
-    result = run(rayservice)
+def run_cli(run: Callable[[dict[str, Any]], dict[str, Any]], argv: list[str]) -> int:
+    """A driver's command line: RAYSERVICE_JSON in, `run`'s result out as OUT_JSON; 1 when it holds an error."""
+    with open(argv[0]) as f:
+        result = run(json.load(f))
     with open(argv[1], "w") as f:
         json.dump(result, f, indent=2, default=str)
     return 0 if "error" not in result else 1
+
+
+def main(argv: list[str]) -> int:
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

@@ -214,11 +214,5 @@ def _wait_running(serve, names: list[str], dashboard: str, num_routers: int) -> 
         time.sleep(1)
 
 
-def main(argv: list[str]) -> int:
-    result = run(json.loads(Path(argv[0]).read_text()))
-    Path(argv[1]).write_text(json.dumps(result, indent=2, default=str))
-    return 0 if "error" not in result else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(multinode.run_cli(run, sys.argv[1:]))
