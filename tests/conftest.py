@@ -1,7 +1,8 @@
 """Test tiers, assigned at collection (never by hand in a module); `make test-fast` runs `-m "not slow"`.
 
 An item is `slow` when it
-- requests a fixture that starts Ray/Serve or a server (SLOW_FIXTURES, directly or through another fixture),
+- requests a fixture that starts Ray/Serve or a server, or needs a tool only `make test` installs (`make
+  ops-tools`: promtool) (SLOW_FIXTURES, directly or through another fixture),
 - lives under a directory of such tests (SLOW_DIRS: integration/ is Ray Serve, Redis and UCX by design;
   correctness/ is parity with HF transformers, mostly on the real SmolLM2 model: ~1 min),
 - lives in a module that imports ucxx (UCX endpoints) or starts its own Redis (SLOW_IMPORTS), or
@@ -28,6 +29,7 @@ SLOW_FIXTURES = {
     "ray_serve", "replica_pids",  # one Ray + Serve per session (integration/conftest.py)
     "redis_server", "redis_server_factory",  # redis-server / valkey-server processes
     "otlp_receiver",  # OTLP gRPC + HTTP receiver (tracing/conftest.py)
+    "promtool",  # Debian's prometheus package, from `make ops-tools`, which `make test-fast` does not run
 }
 SLOW_DIRS = {"integration", "correctness"}
 SLOW_IMPORTS = {"ucxx", "RedisServer", "RedisSupervisor"}  # names in a module's globals

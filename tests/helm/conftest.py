@@ -4,7 +4,9 @@ deploy/helm/install-helm.sh), KubeRay's RayService CRD (copied under kuberay/), 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,15 @@ def _load_render_examples():
 
 
 render_examples = _load_render_examples()
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    """Debian's promtool, from `make ops-tools` (so its tests are in the slow tier: tests/conftest.py)."""
+    found = os.environ.get("PROMTOOL") or shutil.which("promtool")
+    if found is None:
+        pytest.fail("no promtool: run `make ops-tools` (Debian's prometheus package) or set PROMTOOL")
+    return found
 
 
 @pytest.fixture(scope="session")

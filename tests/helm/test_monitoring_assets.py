@@ -6,7 +6,6 @@ and the PrometheusRule and ConfigMaps the chart renders from them."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -30,14 +29,6 @@ K8S_VERSION = "1.35.0"
 # what Grafana substitutes in a panel's query before Prometheus sees it; nothing else may appear
 GRAFANA_VARIABLES = {"$replica": ".*"}
 REPLICAS = ("p1", "d1")  # the replicas of HEALTHY below, each a value the replica variable may take
-
-
-@pytest.fixture(scope="session")
-def promtool() -> str:
-    found = os.environ.get("PROMTOOL") or shutil.which("promtool")
-    if found is None:
-        pytest.fail("no promtool: run `make ops-tools` (Debian's prometheus package) or set PROMTOOL")
-    return found
 
 
 def _rule_file() -> dict:
