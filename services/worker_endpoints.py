@@ -8,14 +8,15 @@ import dataclasses
 import os
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.observability import trace_attributes as ta
 from pdserve.api.contract import WorkerRequest
-from pdserve.engine.handoff import engine_layout
-from pdserve.engine.prefix_pull import PrefixPull, PrefixPuller
-from pdserve.kvcache.transports.base import KVTransport
 from pdserve.worklink import LinkServer
+
+if TYPE_CHECKING:  # the engine's modules load torch: Serve's driver imports this module only to bind
+    from pdserve.engine.prefix_pull import PrefixPull, PrefixPuller
+    from pdserve.kvcache.transports.base import KVTransport
 
 
 class WorkerEndpoints:
@@ -132,6 +133,8 @@ class WorkerEndpoints:
         space). `target["replica"]` steers the call to this replica; see PlacementRequestRouter."""
         batch = self.engine.kv_events.read(target.get("cursor")).to_dict()
         if self._layout_hash is None:
+            from pdserve.engine.handoff import engine_layout
+
             self._layout_hash = engine_layout(self.engine).layout_hash
         return {**batch, "replica": self.telemetry.replica, "layout_hash": self._layout_hash}
 

@@ -6,19 +6,15 @@ import dataclasses
 import time
 from contextlib import aclosing
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from ray import serve
 from ray.serve import Application
 
 from pdserve.api.contract import DecodeEvent, FallbackNotice, HandoffParams, KVPart, TokenBatch, WorkerRequest, resumed
-from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.outputs import GenerationRequest
 from pdserve.observability import trace_attributes as ta
-from pdserve.engine.handoff import KVImporter, engine_layout
-from pdserve.engine.kv_staging import StagedImports
-from pdserve.engine.prefix_pull import PrefixPuller
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.streams import merged
@@ -26,10 +22,18 @@ from pdserve.observability.telemetry import Telemetry
 from pdserve.services.worker import WorkerConfig, build_transport, start_engine
 from pdserve.worklink import LinkServer
 
+if TYPE_CHECKING:
+    from pdserve.engine.async_engine import AsyncLLMEngine
+
 
 @serve.deployment(name="decode")
 class DecodeDeployment(WorkerEndpoints):
     def __init__(self, config: dict[str, Any], engine: AsyncLLMEngine | None = None) -> None:
+        # the engine's modules load torch, here in the replica; Serve's driver imports this module only to bind
+        from pdserve.engine.handoff import KVImporter, engine_layout
+        from pdserve.engine.kv_staging import StagedImports
+        from pdserve.engine.prefix_pull import PrefixPuller
+
         self.config = WorkerConfig.model_validate(config)
         self.engine = engine or start_engine(self.config, "decode")
         self.transport = build_transport(self.config, self.engine)

@@ -7,27 +7,31 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from ray.serve import Application
 
 from pdserve.api.contract import HandoffParams, KVPart, PrefillEvent, PrefillResult, TokenBatch, WorkerRequest
-from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.outputs import GenerationRequest
 from pdserve.observability import trace_attributes as ta
-from pdserve.engine.handoff import KVExporter
-from pdserve.engine.prefix_pull import PrefixPuller
 from pdserve.services.replica_router import ROUTER_CLASS_PATH
 from pdserve.services.worker_endpoints import WorkerEndpoints
 from pdserve.observability.telemetry import Telemetry
 from pdserve.services.worker import WorkerConfig, build_transport, start_engine
 from pdserve.worklink import LinkServer
 
+if TYPE_CHECKING:
+    from pdserve.engine.async_engine import AsyncLLMEngine
+
 
 @serve.deployment(name="prefill")
 class PrefillDeployment(WorkerEndpoints):
     def __init__(self, config: dict[str, Any], engine: AsyncLLMEngine | None = None) -> None:
+        # the engine's modules load torch, here in the replica; Serve's driver imports this module only to bind
+        from pdserve.engine.handoff import KVExporter
+        from pdserve.engine.prefix_pull import PrefixPuller
+
         self.config = WorkerConfig.model_validate(config)
         self.engine = engine or start_engine(self.config, "prefill")
         self.transport = build_transport(self.config, self.engine)
