@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 @serve.deployment(name="prefill")
 class PrefillDeployment(WorkerEndpoints):
     def __init__(self, config: dict[str, Any], engine: AsyncLLMEngine | None = None) -> None:
-        # the engine's modules load torch, here in the replica; Serve's driver imports this module only to bind
+        # the engine's modules load torch here, in the replica: the driver imports this module only to bind
         from pdserve.engine.handoff import KVExporter
         from pdserve.engine.prefix_pull import PrefixPuller
 

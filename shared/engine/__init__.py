@@ -11,7 +11,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "AsyncLLMEngine": "pdserve.engine.async_engine", "Completion": "pdserve.engine.llm", "LLM": "pdserve.engine.llm",
+    "AsyncLLMEngine": "pdserve.engine.async_engine", "Completion": "pdserve.engine.llm",
+    "LLM": "pdserve.engine.llm",
     "LLMEngine": "pdserve.engine.llm_engine", "EngineStats": "pdserve.engine.outputs",
     "GenerationRequest": "pdserve.engine.outputs", "KVHandoff": "pdserve.engine.outputs",
     "TokenDelta": "pdserve.engine.outputs",
