@@ -10,13 +10,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-_EXPORTS = {
-    "AsyncLLMEngine": "pdserve.engine.async_engine", "Completion": "pdserve.engine.llm",
-    "LLM": "pdserve.engine.llm",
-    "LLMEngine": "pdserve.engine.llm_engine", "EngineStats": "pdserve.engine.outputs",
-    "GenerationRequest": "pdserve.engine.outputs", "KVHandoff": "pdserve.engine.outputs",
-    "TokenDelta": "pdserve.engine.outputs",
+_MODULES = {  # submodule -> the names it exports here
+    "async_engine": ("AsyncLLMEngine",),
+    "llm": ("LLM", "Completion"),
+    "llm_engine": ("LLMEngine",),
+    "outputs": ("EngineStats", "GenerationRequest", "KVHandoff", "TokenDelta"),
 }
+_EXPORTS = {name: f"pdserve.engine.{module}" for module, names in _MODULES.items() for name in names}
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
