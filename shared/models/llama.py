@@ -98,7 +98,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions or config.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # uninitialized: the checkpoint fills it (random init would cost ~0.4 s, and on meta seconds of imports)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -192,6 +192,11 @@ class QuantEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, H]
         g = self.scale.shape[1]
-        codes = self.codes[input_ids].view(-1, g, self.embedding_dim // g).float()
-        rows = torch.addcmul(self.offset[input_ids][:, :, None], codes, self.scale[input_ids][:, :, None])
+        codes = self.codes_of(input_ids.reshape(-1)).view(-1, g, self.embedding_dim // g).float()
+        scale, offset = self.scale[input_ids].float(), self.offset[input_ids].float()
+        rows = torch.addcmul(offset.view(-1, g, 1), codes, scale.view(-1, g, 1))
         return rows.view(*input_ids.shape, self.embedding_dim).to(self.dtype)
+
+    def codes_of(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [T] -> [T, H] uint8, in element order
+        return self.codes[ids]

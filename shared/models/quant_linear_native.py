@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels import cpu_quant
-from pdserve.models.quant_linear import DEQUANT_CHUNK, MAX_KERNEL_ROWS, QuantLinear, _scratch
+from pdserve.models.quant_linear import DEQUANT_CHUNK, MAX_KERNEL_ROWS, QuantEmbedding, QuantLinear, _scratch
 from pdserve.models.quantization import QuantizedWeight
 
 
@@ -30,18 +30,31 @@ class NativeQuantLinear(nn.Module):
     """y = x @ w.T + bias for a quantized w [out, in]; `kernel` is "native-vnni" or "native-f32"."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
-        super().__init__()
+        scale, offset = cpu_quant.scales(weight.scale, weight.offset)
+        self._build(cpu_quant.pack(weight.codes, weight.bits), scale, offset, weight.bits, weight.codes.shape[1],
+                    bias)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                    in_features: int, bias: torch.Tensor | None = None) -> NativeQuantLinear:
+        """Over buffers already in the kernel's layout (pdserve.models.packed_cache), not copied."""
+        module = cls.__new__(cls)
+        module._build(packed, scale, offset, bits, in_features, bias)
+        return module
+
+    def _build(self, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, k: int,
+               bias: torch.Tensor | None) -> None:
+        nn.Module.__init__(self)
         self.lib = cpu_quant.library()
         if self.lib is None:
             raise RuntimeError(f"native CPU quantized kernel unavailable: {cpu_quant.unavailable_reason()}")
-        n, k = weight.codes.shape
+        n, groups = scale.shape
         self.in_features, self.out_features = k, n
-        self.bits, self.group_size = weight.bits, weight.group_size
+        self.bits, self.group_size = bits, k // groups
         self.kernel = f"native-{cpu_quant.isa(self.lib)}"
         self.max_kernel_rows = MAX_KERNEL_ROWS
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
-        scale, offset = cpu_quant.scales(weight.scale, weight.offset)
-        self.register_buffer("packed", cpu_quant.pack(weight.codes, weight.bits))
+        self.register_buffer("packed", packed)  # [N, K] (8 bits) or [N, K / 2] (4 bits) uint8
         self.register_buffer("scale", scale)  # [N, K / group] float16 (when exact) or float32
         self.register_buffer("offset", offset)
 
@@ -76,3 +89,24 @@ class NativeQuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}, bits={self.bits}"
+
+
+class TiedQuantEmbedding(QuantEmbedding):
+    """The embedding table read from a tied int8 LM head's packed codes and its scales: one copy of the
+    [V, H] table (the file stores it once), rows dequantized exactly as QuantEmbedding's."""
+
+    def __init__(self, head: NativeQuantLinear, dtype: torch.dtype = torch.float32) -> None:
+        nn.Module.__init__(self)  # no codes of its own: the buffers below are the head's tensors
+        if head.bits != 8:
+            raise ValueError(f"a tied embedding reads int8 codes, the LM head has int{head.bits}")
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.register_buffer("packed", head.packed, persistent=False)  # [V, H] uint8, the kernel's order
+        self.register_buffer("scale", head.scale, persistent=False)  # [V, G] float16 or float32
+        self.register_buffer("offset", head.offset, persistent=False)
+
+    def codes_of(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [T] -> [T, H] uint8. Position (a, b, j) of a packed 64-code block holds element (b, a, j)
+        # (cpu_quant.pack_order: a < 8, b < 2, j < 4)
+        blocks = self.packed[ids].view(-1, self.embedding_dim // cpu_quant.PAIR, 8, 2, 4)
+        return blocks.transpose(2, 3).reshape(-1, self.embedding_dim)

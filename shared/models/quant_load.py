@@ -17,12 +17,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pdserve.kernels import cpu_quant
+from pdserve.models import packed_cache
 from pdserve.models.config import ModelConfig
 from pdserve.models.gguf import QUANTIZED_FILE
 from pdserve.models.linear import Linear
 from pdserve.models.quant_linear import QuantEmbedding, QuantLinear
 from pdserve.models.quant_linear_cuda import CudaQuantLinear, quant_linear_for
-from pdserve.models.quant_linear_native import NativeQuantLinear
+from pdserve.models.quant_linear_native import NativeQuantLinear, TiedQuantEmbedding
 from pdserve.models.quantization import (
     GROUP_SIZE,
     QuantizedWeight,
@@ -147,6 +149,11 @@ def apply_blocks(model: nn.Module, model_dir: Path, plan: QuantPlan, dtype: torc
     """Replace the block-sourced Linears (and the embedding) before the float weights load."""
     if not plan.from_blocks and not plan.embedding_from_blocks:
         return
+    device = next(model.parameters()).device
+    # on CPU with the native kernel: the packed linears of an earlier load, mapped (pdserve.models.packed_cache)
+    key = (packed_cache.source_key(model_dir, plan.mode, plan.from_blocks)
+           if device.type == "cpu" and cpu_quant.library() is not None and plan.from_blocks else None)
+    cached = (packed_cache.load(model_dir, key) if key else None) or {}
     with safe_open(str(model_dir / QUANTIZED_FILE), framework="np") as f:
 
         def weight(hf_name: str) -> QuantizedWeight:
@@ -154,14 +161,24 @@ def apply_blocks(model: nn.Module, model_dir: Path, plan: QuantPlan, dtype: torc
 
         for name, bits in plan.from_blocks.items():
             linear = model.get_submodule(name)
+            if name in cached and linear.bias is None:
+                _set_module(model, name, cached[name])
+                continue
             parts = [weight(n) for n in plan.sources[name]]
             fused = concat([p.widened() if bits == 8 else p for p in parts])
             if bits == 4 and fused.bits == 8:  # int4 asked of a Q8_0 tensor: round to nearest, group 32
                 fused = quantize_rtn(fused.dequantize(), 4, GROUP_SIZE, plan.sources[name][0])
             source = plan.sources[name][0]
             _set_module(model, name, quant_linear_for(fused, linear.bias, source, linear.weight.device))
+        if key and not cached:
+            packed_cache.save(model_dir, key, {
+                name: module for name in plan.from_blocks
+                if isinstance(module := model.get_submodule(name), NativeQuantLinear) and module.bias is None})
         if plan.embedding_from_blocks:
-            device = next(model.parameters()).device
+            head = model.get_submodule("lm_head")
+            if plan.sources.get("lm_head") == [EMBEDDING] and isinstance(head, NativeQuantLinear) and head.bits == 8:
+                _set_module(model, "embed_tokens", TiedQuantEmbedding(head, dtype))  # one copy of the table
+                return
             _set_module(model, "embed_tokens", QuantEmbedding(weight(EMBEDDING), dtype).to(device))
 
 
@@ -187,11 +204,13 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
     quant = sum(
         m.nbytes() for m in model.modules() if isinstance(m, (QuantLinear, NativeQuantLinear, CudaQuantLinear))
     )
-    quant += sum(
+    held = {b.data_ptr() for m in model.modules() if not isinstance(m, QuantEmbedding) for b in m.buffers()}
+    quant += sum(  # a tied embedding's buffers are the LM head's, counted once
         b.numel() * b.element_size()
         for m in model.modules()
         if isinstance(m, QuantEmbedding)
-        for b in m.buffers()
+        for b in m.buffers(recurse=False)
+        if b.data_ptr() not in held
     )
     floats = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"quantized_bytes": quant, "float_bytes": floats}

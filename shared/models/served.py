@@ -13,7 +13,7 @@ from pdserve.kernels import cpu_quant
 from pdserve.models.config import ModelConfig
 from pdserve.models.linear import Linear
 from pdserve.models.quant_linear import QuantEmbedding, QuantLinear
-from pdserve.models.quant_linear_native import NativeQuantLinear
+from pdserve.models.quant_linear_native import NativeQuantLinear, TiedQuantEmbedding
 from pdserve.models.quant_load import linear_sources, read_block_types
 
 # buffers a QuantLinear's kernel path reads at up to `max_kernel_rows` rows; its float32 `scale` and
@@ -62,6 +62,8 @@ def describe_weights(model: nn.Module, config: ModelConfig, model_dir: Path, qua
             key = f"{str(module.weight.dtype).removeprefix('torch.')}"
         elif isinstance(module, QuantEmbedding):
             embedding = f"embedding from GGUF blocks ({block_types.get('model.embed_tokens.weight', '?')})"
+            if isinstance(module, TiedQuantEmbedding):
+                embedding += ", read from the LM head's codes"
             continue
         else:
             continue

@@ -34,7 +34,8 @@ def test_serve_serves_the_gguf_as_stored_by_default_and_says_what_it_serves(tmp_
     assert "quantization: prefill auto, decode auto) at" in output, output[-3000:]
     lib = cpu_quant.library()  # the replicas build the same kernel on this machine
     body, head = (f"native-{cpu_quant.isa(lib)}",) * 2 if lib is not None else ("int4", "int8_split")
+    tied = ", read from the LM head's codes" if lib is not None else ""  # one copy of the tied Q8_0 table
     for role in ("prefill", "decode"):
         assert (f"{role} replica: quantization auto: 120 linears int4 (GGUF Q4_1, kernel {body}), 1 linears int8 "
-                f"(GGUF Q8_0, kernel {head}); embedding from GGUF blocks (Q8_0)") in output, output[-3000:]
+                f"(GGUF Q8_0, kernel {head}); embedding from GGUF blocks (Q8_0{tied})") in output, output[-3000:]
     assert "activations float32 (dtype default; CPU has" in output

@@ -19,7 +19,8 @@ from pdserve.models.gguf import ensure_hf_checkpoint
 from pdserve.models.linear import Linear
 from pdserve.models.loader import load_model
 from pdserve.models.quant_linear import QuantEmbedding, QuantLinear
-from pdserve.models.quant_linear_native import NativeQuantLinear
+from pdserve.models.quant_linear_native import NativeQuantLinear, TiedQuantEmbedding
+from pdserve.models.quant_load import quantized_bytes
 from pdserve.models.tiny import ensure_tiny_checkpoint
 
 PROMPT = list(range(3, 40))
@@ -160,3 +161,30 @@ def test_native_kernel_serves_the_same_choices(gguf_dir: Path, monkeypatch) -> N
     scale = ref.abs().max()
     assert (_logits(model, kernel_rows=0) - ref).abs().max() / scale < 1e-5
     assert (_logits(model, kernel_rows=1 << 30) - ref).abs().max() / scale < 1e-3
+
+
+@pytest.mark.skipif(cpu_quant.library() is None, reason="native kernel not built")
+def test_tied_q8_table_is_held_once_and_reads_as_the_file(tmp_path: Path, llama_gguf, monkeypatch) -> None:
+    """A tied Q8_0 table served native: the embedding reads the LM head's packed codes and scales (no second
+    copy), and every row dequantizes exactly as the file's own table does."""
+    path, _ = llama_gguf(tied=True)
+    model_dir = ensure_hf_checkpoint(path, tmp_path / "cache")
+    separate, config = load_model(model_dir, torch.float32, "cpu", quantization="auto")  # torch kernels
+    assert type(separate.embed_tokens) is QuantEmbedding
+    monkeypatch.setenv(cpu_quant.KERNEL_ENV, "native")
+    model, _ = load_model(model_dir, torch.float32, "cpu", quantization="auto")
+    head, table = model.lm_head, model.embed_tokens
+    assert isinstance(head, NativeQuantLinear) and head.bits == 8
+    assert isinstance(table, TiedQuantEmbedding) and table.packed.data_ptr() == head.packed.data_ptr()
+    ids = torch.arange(config.vocab_size)
+    assert torch.equal(table(ids), separate.embed_tokens(ids))
+    grid = ids[:256].view(8, 32)
+    assert torch.equal(table(grid), separate.embed_tokens(grid)) and table(grid).shape == (8, 32, config.hidden_size)
+    assert quantized_bytes(model)["quantized_bytes"] == sum(
+        m.nbytes() for m in model.modules() if isinstance(m, NativeQuantLinear | QuantLinear))
+    assert _logits(model, kernel_rows=0).equal(_logits(_with(model, separate.embed_tokens), kernel_rows=0))
+
+
+def _with(model: torch.nn.Module, embedding: torch.nn.Module) -> torch.nn.Module:
+    model.embed_tokens = embedding
+    return model
