@@ -14,6 +14,7 @@ from typing import Any
 from pdserve.models.resolve import DEFAULT_MODEL
 from pdserve.services.serve_checks import (
     ConfigError,
+    QuantizationCheck,
     check_quantization,
     check_tensor_parallel,
     quantizations,
@@ -170,12 +171,10 @@ def run(args: argparse.Namespace) -> int:
     signal."""
     try:
         config = system_config(args, args.redis_url)  # the file and the flags, refused before Redis or Ray starts
-        check_quantization(config)
         check_tensor_parallel(config)
+        quantization = QuantizationCheck(config)  # in a child process, while this one imports Ray below
     except ConfigError as exc:
-        for line in str(exc).splitlines():
-            print(f"pdserve serve: {line}", file=sys.stderr, flush=True)
-        return 2
+        return _refused(exc)
     stop = threading.Event()  # Ctrl-C or SIGTERM, at any moment: start-up stops at its next step, then cleanup
 
     def on_signal(*_) -> None:
@@ -184,20 +183,26 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if (blocked := _ports_blocked(args, stop)) is not None:
+        quantization.cancel()
         return blocked
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from pdserve.runtime.redis_health import RedisSettingsError, redact_url
+    from pdserve.runtime.redis_server import find_server_binary
+    from pdserve.services.app import build_system
+    from pdserve.services.cpu_shares import Unschedulable, check_labels, fit_cpu_shares
+    from pdserve.runtime.ports import listen_port
+    from pdserve.runtime.serve_env import routes_at
+
+    try:
+        quantization.result()
+    except ConfigError as exc:
+        return _stopped() if stop.is_set() else _refused(exc)
     redis = supervisor = None
     ray_started = False
     try:
-        import ray
-        from ray import serve
-        from ray.serve.config import gRPCOptions
-
-        from pdserve.runtime.redis_health import RedisSettingsError, redact_url
-        from pdserve.runtime.redis_server import find_server_binary
-        from pdserve.services.app import build_system
-        from pdserve.services.cpu_shares import Unschedulable, check_labels, fit_cpu_shares
-        from pdserve.runtime.ports import listen_port
-        from pdserve.runtime.serve_env import routes_at
         from pdserve.v1 import SERVICER_FUNCTION
 
         redis_url = args.redis_url or config.redis_url  # the flag, else the config file's; else one of our own
@@ -278,6 +283,12 @@ def run(args: argparse.Namespace) -> int:
         if redis is not None:
             redis.stop()
         print("pdserve serve: stopped", flush=True)
+
+
+def _refused(exc: ConfigError) -> int:
+    for line in str(exc).splitlines():
+        print(f"pdserve serve: {line}", file=sys.stderr, flush=True)
+    return 2
 
 
 def _stopped() -> int:

@@ -32,24 +32,43 @@ def tensor_parallel_sizes(config) -> dict[str, int]:
 def check_quantization(config) -> None:
     """Refuses, before Redis or Ray starts, a quantization a role's model cannot be served in (the
     tensor and the reason); ConfigError."""
-    sizes = tensor_parallel_sizes(config)
-    # auto on tensor-parallel ranks serves the model dtype (pdserve.config.EngineConfig.weight_quantization)
-    asked = {(getattr(config, role).get("model", config.model), q) for role, q in quantizations(config).items()
-             if not (q == "auto" and sizes[role] > 1)}
-    pairs = sorted((model, q) for model, q in asked if q != "none")
-    if not pairs:
-        return
-    # in a child process: torch and the model's meta build would stay in `pdserve serve`'s memory (~300 MB)
-    done = subprocess.run([sys.executable, "-m", "pdserve.models.served", *(x for pair in pairs for x in pair)],
-                          capture_output=True, text=True)
-    if done.returncode == 0:
-        return
-    lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
-    if done.returncode != 2:
-        raise ConfigError(f"quantization check of {pairs} failed: {lines[-1]}")
-    index, what, reason = lines[-1].split(" ", 2)
-    model, quantization = pairs[int(index)]
-    raise ConfigError(reason if what == "model" else f"quantization {quantization} of {model}: {reason}")
+    QuantizationCheck(config).result()
+
+
+class QuantizationCheck:
+    """check_quantization in a child process (torch and the model's meta build would otherwise stay in
+    `pdserve serve`'s memory, ~300 MB), started on construction: the caller goes on (importing Ray) while
+    torch loads there, and `result` waits for the verdict."""
+
+    def __init__(self, config) -> None:
+        sizes = tensor_parallel_sizes(config)
+        # auto on tensor-parallel ranks serves the model dtype (pdserve.config.EngineConfig.weight_quantization)
+        asked = {(getattr(config, role).get("model", config.model), q) for role, q in quantizations(config).items()
+                 if not (q == "auto" and sizes[role] > 1)}
+        self.pairs = sorted((model, q) for model, q in asked if q != "none")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.models.served", *(x for pair in self.pairs for x in pair)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) if self.pairs else None
+
+    def result(self) -> None:
+        """Returns when the check passed; ConfigError naming the model, the tensor and the reason."""
+        if self.process is None:
+            return
+        _, stderr = self.process.communicate()
+        code = self.process.returncode
+        if code == 0:
+            return
+        lines = stderr.strip().splitlines() or [f"exit code {code}"]
+        if code != 2:
+            raise ConfigError(f"quantization check of {self.pairs} failed: {lines[-1]}")
+        index, what, reason = lines[-1].split(" ", 2)
+        model, quantization = self.pairs[int(index)]
+        raise ConfigError(reason if what == "model" else f"quantization {quantization} of {model}: {reason}")
+
+    def cancel(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
 
 def check_tensor_parallel(config) -> None:
