@@ -4,8 +4,10 @@ device or the model cannot serve it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -13,6 +15,7 @@ from pydantic import ValidationError
 from pdserve.services.app import SystemConfig, config_errors
 from pdserve.services.cli import serve_parser
 from pdserve.services.serve import ConfigError, check_quantization, quantizations, run, system_config
+from pdserve.services.serve_checks import QuantizationCheck
 from pdserve.services.worker import WorkerConfig
 
 
@@ -81,3 +84,22 @@ def test_a_missing_model_is_refused_by_the_default_check_naming_the_model(capsys
     assert run(serve_parser().parse_args(["--model", "/nonexistent/x.gguf", "--port", "1"])) == 2
     err = capsys.readouterr().err
     assert "pdserve serve: model '/nonexistent/x.gguf' is not 'tiny'" in err, err
+
+
+def _children() -> set[int]:
+    """This process's child processes, running or exited and not yet reaped."""
+    return {int(pid) for pid in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()}
+
+
+def test_the_check_runs_beside_the_caller_and_a_cancel_ends_and_reaps_it():
+    """`pdserve serve` starts the check's child process, imports Ray meanwhile, then waits for the verdict;
+    refusing on something else first (a taken port, Ctrl-C) cancels it."""
+    config = system_config(serve_parser().parse_args([]), None)
+    before = _children()
+    check = QuantizationCheck(config)
+    assert check.process is not None and check.process.pid in _children() - before
+    check.cancel()
+    assert check.process.returncode is not None and _children() <= before
+    passing = QuantizationCheck(config)
+    passing.result()  # the default model's auto: nothing refused
+    assert passing.process.returncode == 0 and _children() <= before
