@@ -10,8 +10,8 @@ from pdserve.kernels import cpu_layers
 from pdserve.models.config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+def inverse_frequencies(rope: RopeConfig, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -31,12 +31,13 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        # computed on the host whatever the device context (on meta it would pull in torch's decompositions,
-        # seconds of imports), then placed on the context's device
-        inv_freq = inverse_frequencies(rope, head_dim)
-        freqs = torch.arange(max_positions, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
+        # computed on the context's device; under meta on the host (meta math pulls in torch's decompositions,
+        # seconds of imports), then placed on meta
         device = torch.get_default_device()
+        compute = torch.device("cpu") if device.type == "meta" else device
+        inv_freq = inverse_frequencies(rope, head_dim, compute)
+        freqs = torch.arange(max_positions, dtype=torch.float32, device=compute)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
         # cos, sin: [max_positions, head_dim], float32
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
