@@ -61,9 +61,8 @@ def describe_weights(model: nn.Module, config: ModelConfig, model_dir: Path, qua
         elif isinstance(module, Linear):
             key = f"{str(module.weight.dtype).removeprefix('torch.')}"
         elif isinstance(module, QuantEmbedding):
-            embedding = f"embedding from GGUF blocks ({block_types.get('model.embed_tokens.weight', '?')})"
-            if isinstance(module, TiedQuantEmbedding):
-                embedding += ", read from the LM head's codes"
+            tied = ", read from the LM head's codes" if isinstance(module, TiedQuantEmbedding) else ""
+            embedding = f"embedding from GGUF blocks ({block_types.get('model.embed_tokens.weight', '?')}{tied})"
             continue
         else:
             continue
