@@ -67,8 +67,8 @@ def load(model_dir: Path, key: dict) -> dict[str, NativeQuantLinear] | None:
 def _module(pages: torch.Tensor, entry: dict) -> NativeQuantLinear:
     buffers = {}
     for name in BUFFERS:
-        offset, shape, dtype = int(entry[name]["offset"]), [int(d) for d in entry[name]["shape"]], DTYPES[
-            entry[name]["dtype"]]
+        spec = entry[name]
+        offset, shape, dtype = int(spec["offset"]), [int(d) for d in spec["shape"]], DTYPES[spec["dtype"]]
         nbytes = int(np.prod(shape)) * dtype.itemsize
         if offset % ALIGN or offset < 0 or offset + nbytes > len(pages):
             raise ValueError(f"buffer {name} at {offset} ({nbytes} bytes) is outside the file")
@@ -98,7 +98,7 @@ def save(model_dir: Path, key: dict, modules: dict[str, NativeQuantLinear]) -> N
     try:
         with open(temporary[0], "wb") as f:
             for chunk in chunks:
-                f.write(chunk.tobytes())
+                f.write(chunk)  # numpy's buffer, not a copy
         os.replace(temporary[0], packed_file)
         temporary[1].write_text(json.dumps(index))
         os.replace(temporary[1], index_file)
