@@ -15,6 +15,9 @@ server at a time.
   (the gaps between streamed chunks, each spread over the tokens it carried) and TPOT p50; then idle memory
   after the load: RSS and PSS summed over the server's processes, and of its largest worker process
   (pdserve: a prefill or decode replica; llama.cpp: its one process).
+- Start-up: `ready_s`, from launch to the first answered completion, and `ready_cpu`: the CPU seconds its
+  processes had used by then (by process), and that work over the machine's cores (`floor_s`), the shortest
+  start-up these cores allow for it; `ready_over_floor` is how far the start-up stayed from that bound.
 - Ratios are pdserve over llama.cpp: `ratio_tok_s_c1`, `ratio_tok_s_c16`, `rss_ratio` (largest worker process).
 """
 
@@ -32,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.peer_servers import LlamaCppServer, PdserveServer, Server, process_memory
+from pdserve.bench.peer_servers import LlamaCppServer, PdserveServer, Server, process_cpu, process_memory
 
 XLLAMACPP = "xllamacpp==2026.10.11549"
 DEFAULT_VENV = Path.home() / ".cache" / "pdserve" / "peer-venv"
@@ -102,6 +105,7 @@ def measure(server: Server, concurrencies: list[int], num_requests: int, prompt_
         started = time.perf_counter()
         server.wait_ready()
         ready_s = time.perf_counter() - started
+        start_cpu = process_cpu(server.processes())  # the work start-up took, against the cores it had
         warm = [[rng.randrange(100, vocab) for _ in range(prompt_tokens)] for _ in range(2)]
         asyncio.run(_level(server.url, server.model, warm, 2, max_tokens))
         levels = []
@@ -110,7 +114,8 @@ def measure(server: Server, concurrencies: list[int], num_requests: int, prompt_
             levels.append(asyncio.run(_level(server.url, server.model, prompts, c, max_tokens)))
         time.sleep(idle_s)  # idle after the load: what the server keeps
         memory = process_memory(server.processes(), server.is_worker)
-    return {"ready_s": round(ready_s, 2), "levels": levels, "idle_memory": memory, "settings": server.settings,
+    start_cpu["ready_over_floor"] = round(ready_s / max(start_cpu["floor_s"], 1e-9), 3)
+    return {"ready_s": round(ready_s, 2), "ready_cpu": start_cpu, "levels": levels, "idle_memory": memory, "settings": server.settings,
             "loadavg_1m_before": round(load_before, 2)}
 
 

@@ -1,8 +1,9 @@
-"""The servers `pdserve bench peer` compares, each started and stopped as a user would, and the memory of
-their processes read from /proc (psutil)."""
+"""The servers `pdserve bench peer` compares, each started and stopped as a user would, and the memory and
+CPU time of their processes read from /proc (psutil)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -196,3 +197,42 @@ def process_memory(processes: list[psutil.Process], is_worker: Callable[[psutil.
     return {"num_processes": len(processes), "total_rss_mb": round(total_rss, 1), "total_pss_mb": round(total_pss, 1),
             "largest_worker_rss_mb": round(rss, 1), "largest_worker_pss_mb": round(pss, 1), "largest_worker": name,
             "num_workers": len(workers)}
+
+
+def process_label(proc: psutil.Process) -> str:
+    """A process by what it runs: a Ray actor or replica by its name (`ray::ServeReplica:app:decode`), else the
+    script or program (`pdserve`, `gcs_server`, `dashboard/agent.py`)."""
+    argv = proc.cmdline()
+    if not argv:
+        return proc.name()
+    if argv[0].startswith("ray::"):
+        return argv[0].split(".", 1)[0]  # `ray::ServeController.listen_for_change`: the actor, not its method
+    script = ""
+    if "python" in Path(argv[0]).name:
+        for flag, value in itertools.pairwise([*argv[1:], ""]):
+            if flag in ("-c", "-m"):
+                return f"python {flag}" if flag == "-c" else f"python -m {value}"
+            if not flag.startswith("-"):
+                script = flag
+                break
+    path = Path(script or argv[0])
+    return f"{path.parent.name}/{path.name}" if path.suffix == ".py" else path.name
+
+
+def process_cpu(processes: list[psutil.Process]) -> dict[str, Any]:
+    """CPU seconds (user + system) the processes used so far, with their children that have exited and been
+    waited for (a one-shot check, a worker the raylet reaped), in all and by `process_label`; `floor_s` is that
+    work spread over every core of the machine: no start-up that does it can be shorter."""
+    by_label: dict[str, float] = {}
+    for proc in processes:
+        try:
+            times = proc.cpu_times()
+            label = process_label(proc)
+        except psutil.Error:
+            continue
+        seconds = times.user + times.system + times.children_user + times.children_system
+        by_label[label] = by_label.get(label, 0.0) + seconds
+    total = sum(by_label.values())
+    cores = os.cpu_count() or 1
+    return {"cpu_s": round(total, 2), "cores": cores, "floor_s": round(total / cores, 2),
+            "by_process": {k: round(v, 2) for k, v in sorted(by_label.items(), key=lambda kv: -kv[1])}}

@@ -42,6 +42,11 @@ def test_bench_peer_prints_both_servers_figures_and_the_ratios():
         assert all(lv["output_tok_s"] > 0 and lv["ttft_ms_p50"] > 0 and lv["itl_ms_p50"] > 0 for lv in levels)
         memory = result[name]["idle_memory"]
         assert memory["num_workers"] >= 1 and 0 < memory["largest_worker_pss_mb"] <= memory["total_pss_mb"]
+        start = result[name]["ready_cpu"]  # the CPU its start-up took, against the cores it had
+        assert start["cpu_s"] > 0 and start["floor_s"] == pytest.approx(start["cpu_s"] / start["cores"], abs=0.01)
+        assert sum(start["by_process"].values()) == pytest.approx(start["cpu_s"], abs=0.05)
     assert result["pdserve"]["idle_memory"]["num_workers"] == 2  # one prefill and one decode replica
+    assert {"ray::ServeReplica:pdserve:prefill", "ray::ServeReplica:pdserve:decode", "pdserve"} <= set(
+        result["pdserve"]["ready_cpu"]["by_process"])
     assert result["pdserve"]["settings"]["command"].startswith("pdserve serve")
     assert result["ratio_tok_s_c1"] > 0 and result["ratio_tok_s_c2"] > 0 and result["rss_ratio"] > 0
