@@ -12,6 +12,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.emit import check_request, check_stop, token_delta
 from pdserve.engine.engine_leases import EngineLeases
 from pdserve.engine.kv_parts import part_tokens, take_parts
 from pdserve.engine.lease import LeaseTable
@@ -108,24 +109,9 @@ class LLMEngine(EngineLeases):
     def add_request(self, request: GenerationRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        prompt = list(request.prompt_token_ids)
         vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if request.first_token_id is not None and not 0 <= request.first_token_id < vocab:
-            raise ValueError(f"first_token_id must be in [0, {vocab})")
-        if len(prompt) + request.params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) exceeds "
-                f"the model's context length {self.max_model_len}"
-            )
-        needed = -(-(len(prompt) + request.params.max_tokens) // self.block_manager.block_size)
-        if needed > self.block_manager.num_blocks:
-            # It could never run to completion: it would preempt itself forever.
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) needs {needed} KV "
-                f"blocks, more than this engine's pool of {self.block_manager.num_blocks}"
-            )
+        prompt = check_request(request, vocab, self.max_model_len, self.block_manager.block_size,
+                               self.block_manager.num_blocks)
         seq = Sequence(
             request.request_id, prompt, request.params, self.block_manager.block_size,
             eos_token_ids=self.tokenizer.eos_token_ids, prefill_only=request.prefill_only,
@@ -286,53 +272,19 @@ class LLMEngine(EngineLeases):
             logger.error("request %s: token %d breaks its response format: %s", seq.request_id, token,
                          seq.grammar.error)
         state = self.requests[seq.request_id]
-        prompt = seq.prompt_logprobs if seq.num_deltas == 1 else None
-        reason, stop_reason, text = self._check_stop(seq, state.detokenizer, token)
+        reason, stop_reason, text = check_stop(seq, state.detokenizer, token, self.max_model_len)
         handoff = None
         if seq.prefill_only and reason is None:
             handoff = self._hand_off(seq)
-            reason = None
         elif reason is not None:
             self.scheduler.finish(seq, reason)
-        finished = reason is not None or handoff is not None
-        if finished:
+        if reason is not None or handoff is not None:
             # Held text (a partial character, a stop-string prefix) stays with the engine that adopts the
             # handoff: its detokenizer replays the first token and holds the same text.
             if handoff is None and (stop_reason is None or isinstance(stop_reason, int)):
                 text += state.detokenizer.flush()
             del self.requests[seq.request_id]
-        return TokenDelta(
-            request_id=seq.request_id, token_ids=(token,), text=text, finished=finished,
-            finish_reason=reason, stop_reason=stop_reason,
-            logprobs=None if logprob is None else (logprob,),
-            top_logprobs=None if top is None else (tuple(top),),
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens, kv_handoff=handoff,
-            queue_time_s=_queue_time(seq) if seq.num_deltas == 1 else None,
-            num_prefill_chunks=seq.num_prefill_chunks,
-            prompt_logprobs=None if prompt is None else tuple(lp for lp, _ in prompt),
-            prompt_top_logprobs=None if prompt is None else tuple(top for _, top in prompt),
-            num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens,
-            num_verifications=seq.num_verifications,
-        )
-
-    def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> tuple[str | None, str | int | None, str]:
-        params = seq.params
-        # the sampler masked eos and stop ids while fewer than min_tokens had been generated
-        may_stop = seq.num_output_tokens > params.min_tokens
-        if may_stop and token in params.stop_token_ids:
-            text = detok.add_tokens([token]) if params.include_stop_str_in_output else ""
-            return "stop", token, text
-        if may_stop and not params.ignore_eos and token in seq.eos_token_ids:
-            return "stop", None, ""
-        text = detok.add_tokens([token])
-        if detok.stopped_by is not None:
-            return "stop", detok.stopped_by, text
-        if seq.grammar is not None and seq.grammar.is_finished:  # the value is complete: nothing may follow
-            return "stop", None, text
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            return "length", None, text
-        return None, None, text
+        return token_delta(seq, token, text, reason, stop_reason, handoff, logprob, top)
 
     # --- stats -----------------------------------------------------------------------------------
 
@@ -365,8 +317,3 @@ def _record_prompt_logprobs(rows: PromptRows) -> None:
     assert len(seq.prompt_logprobs) == rows.start + 1, "prompt rows must continue the recorded positions"
     seq.prompt_logprobs.extend(prompt_logprobs(rows.logits, targets, seq.params.prompt_logprobs))
 
-
-def _queue_time(seq: Sequence) -> float | None:
-    if seq.first_scheduled_time is None:
-        return None
-    return max(0.0, seq.first_scheduled_time - seq.arrival_time)
