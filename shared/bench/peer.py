@@ -115,8 +115,8 @@ def measure(server: Server, concurrencies: list[int], num_requests: int, prompt_
         time.sleep(idle_s)  # idle after the load: what the server keeps
         memory = process_memory(server.processes(), server.is_worker)
     start_cpu["ready_over_floor"] = round(ready_s / max(start_cpu["floor_s"], 1e-9), 3)
-    return {"ready_s": round(ready_s, 2), "ready_cpu": start_cpu, "levels": levels, "idle_memory": memory, "settings": server.settings,
-            "loadavg_1m_before": round(load_before, 2)}
+    return {"ready_s": round(ready_s, 2), "ready_cpu": start_cpu, "levels": levels, "idle_memory": memory,
+            "settings": server.settings, "loadavg_1m_before": round(load_before, 2)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -219,10 +219,18 @@ def process_label(proc: psutil.Process) -> str:
     return f"{path.parent.name}/{path.name}" if path.suffix == ".py" else path.name
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which a cgroup's cpuset narrows), else every core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def process_cpu(processes: list[psutil.Process]) -> dict[str, Any]:
     """CPU seconds (user + system) the processes used so far, with their children that have exited and been
     waited for (a one-shot check, a worker the raylet reaped), in all and by `process_label`; `floor_s` is that
-    work spread over every core of the machine: no start-up that does it can be shorter."""
+    work spread over the cores it may run on: no start-up that does it can be shorter."""
     by_label: dict[str, float] = {}
     for proc in processes:
         try:
@@ -233,6 +241,6 @@ def process_cpu(processes: list[psutil.Process]) -> dict[str, Any]:
         seconds = times.user + times.system + times.children_user + times.children_system
         by_label[label] = by_label.get(label, 0.0) + seconds
     total = sum(by_label.values())
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     return {"cpu_s": round(total, 2), "cores": cores, "floor_s": round(total / cores, 2),
             "by_process": {k: round(v, 2) for k, v in sorted(by_label.items(), key=lambda kv: -kv[1])}}

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from pdserve.bench.peer_servers import process_cpu, process_label
+from pdserve.bench.peer_servers import process_cpu, process_label, usable_cores
 
 # a parent that runs one busy child to its end (waited for), then sleeps; its session is the "server"
 PARENT = """
@@ -44,7 +44,7 @@ def test_a_waited_for_child_counts_in_its_parents_cpu(session):
     assert own.children_user + own.children_system > 0  # the child's loop, read from the parent after its wait
     assert result["by_process"] == {label: result["cpu_s"]}
     assert result["cpu_s"] >= round(own.children_user + own.children_system, 2)
-    assert result["cores"] == os.cpu_count()
+    assert result["cores"] == len(os.sched_getaffinity(0))
     assert result["floor_s"] == pytest.approx(result["cpu_s"] / result["cores"], abs=0.01)
 
 
@@ -76,7 +76,23 @@ def test_labels_name_what_a_process_runs(tmp_path):
     script.parent.mkdir()
     script.write_text(ready)
     assert _label_of([sys.executable, "-u", str(script), "--flag"], "up") == "dashboard/agent.py"
-    assert _label_of(["sh", "-c", "echo up; exec sleep 30"], "up") == "sleep"
+    program = subprocess.Popen(["sleep", "30"])  # Popen returns once the child has exec'd
+    try:
+        assert process_label(psutil.Process(program.pid)) == "sleep"
+    finally:
+        program.kill()
+        program.wait()
     assert _label_of([sys.executable, "-c", ready], "up") == "python -c"  # not the program text
     (tmp_path / "waiter.py").write_text(ready)
     assert _label_of([sys.executable, "-u", "-m", "waiter", "--flag"], "up", cwd=tmp_path) == "python -m waiter"
+
+
+def test_usable_cores_follow_the_affinity():
+    """A server started on one core of several has one core's floor (taskset, as a cgroup cpuset would)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    code = "from pdserve.bench.peer_servers import usable_cores; print(usable_cores())"
+    done = subprocess.run(["taskset", "-c", str(cores[0]), sys.executable, "-c", code], capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.strip() == "1" and usable_cores() == len(cores)
