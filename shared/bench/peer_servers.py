@@ -100,14 +100,7 @@ class Server(ABC):
 
     def processes(self) -> list[psutil.Process]:
         """Every live process of the server's session (Ray's daemons included)."""
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if os.getsid(proc.pid) == self.proc.pid and proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc)
-            except (OSError, psutil.Error):
-                continue
-        return found
+        return session_processes(self.proc.pid)
 
 
 class PdserveServer(Server):
@@ -175,6 +168,18 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except ProcessLookupError:  # every process of the group has exited already
         pass
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    """Every live (not zombie) process of session `sid`."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (OSError, psutil.Error):
+            continue
+    return found
 
 
 def process_memory(processes: list[psutil.Process], is_worker: Callable[[psutil.Process], bool]) -> dict[str, Any]:

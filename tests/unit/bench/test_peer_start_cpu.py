@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from pdserve.bench.peer_servers import process_cpu, process_label, usable_cores
+from pdserve.bench.peer_servers import process_cpu, process_label, session_processes, usable_cores
 
 # a parent that runs one busy child to its end (waited for), then sleeps; its session is the "server"
 PARENT = """
@@ -33,12 +33,8 @@ def session():
         proc.wait()
 
 
-def _session_processes(sid: int) -> list[psutil.Process]:
-    return [p for p in psutil.process_iter() if os.getsid(p.pid) == sid]
-
-
 def test_a_waited_for_child_counts_in_its_parents_cpu(session):
-    result = process_cpu(_session_processes(session.pid))
+    result = process_cpu(session_processes(session.pid))
     own = psutil.Process(session.pid).cpu_times()
     label = process_label(psutil.Process(session.pid))
     assert own.children_user + own.children_system > 0  # the child's loop, read from the parent after its wait
