@@ -13,7 +13,7 @@ from pydantic_core import CoreSchema, core_schema
 from pdserve.services.kvstore.config import KVStoreConfig
 from pdserve.services.router.config import RouterConfig
 from pdserve.placement.policy import PlacementConfig
-from pdserve.services.worker import WorkerConfig
+from pdserve.services.worker import WorkerConfig, resolve_kv_cache_dtype
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -49,7 +49,8 @@ class SystemConfig(BaseModel):
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     model: str = "tiny"
     transport: Literal["ucx", "redis"] = "ucx"
-    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = "auto"  # both roles; a role's own override must agree
+    # both roles (None: WorkerConfig.resolved_kv_cache_dtype); a role's own override must agree
+    kv_cache_dtype: Literal["auto", "float16", "int8", "fp8_e4m3"] | None = None
     redis_url: str | None = None  # None: no Redis tier (ucx transport only, no kvstore)
     # each section: the keys it overrides, over the bases above (`worker`, `kvstore_config`, `build_system`)
     prefill: WorkerOverrides = Field(default_factory=dict)
@@ -62,7 +63,8 @@ class SystemConfig(BaseModel):
     @model_validator(mode="after")
     def _roles_share_the_kv_layout(self) -> SystemConfig:
         roles = {role: {**{"kv_cache_dtype": self.kv_cache_dtype}, **getattr(self, role)} for role in ("prefill", "decode")}
-        prefill, decode = roles["prefill"]["kv_cache_dtype"], roles["decode"]["kv_cache_dtype"]
+        prefill, decode = (resolve_kv_cache_dtype(r["kv_cache_dtype"], r.get("device", "cpu"))
+                           for r in (roles["prefill"], roles["decode"]))
         if self.mode == "disaggregated" and prefill != decode:
             raise ValueError(f"prefill and decode KV cache dtypes differ ({prefill} vs {decode}): "
                              "their KV layouts would refuse every handoff")

@@ -27,8 +27,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=9000,
                    help="gRPC API port; Serve's gRPC proxy listens on every interface (0: no gRPC API)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"],
-                   help="KV cache values on both roles: auto (the model dtype, default), int8 or fp8_e4m3")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float16", "int8", "fp8_e4m3"],
+                   help="KV cache values on both roles: auto (the model dtype), float16, int8 or fp8_e4m3; default: "
+                   "float16 on CPU (half a float32 model's KV bytes), auto on GPU")
     p.add_argument("--quantization", choices=["none", "auto", "int8", "int4", "fp8"],
                    help="weight-only linears on both roles (the config file can set each role's): auto (default: a "
                    "GGUF's Q4/Q8 tensors as stored, a float checkpoint in its dtype; tensor-parallel ranks in the "
@@ -246,8 +247,8 @@ def _library_parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory-utilization", type=float, default=0.9)
     pl.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     pl.add_argument("--block-size", type=int, default=16)
-    pl.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"], default="auto",
-                    help="KV pool values: the model dtype, or 1 byte plus a float16 scale per token and KV head")
+    pl.add_argument("--kv-cache-dtype", choices=["auto", "float16", "int8", "fp8_e4m3"], default="auto",
+                    help="KV pool values: the model dtype, float16, or 1 byte plus a float16 scale per token and KV head")
     pl.add_argument("--packed-weights", action="store_true",
                     help="CPU serving (float32/bfloat16, pack_weights on, the default): count the oneDNN copy "
                          "each linear weight keeps beside the plain one")

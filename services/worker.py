@@ -36,6 +36,15 @@ class SpeculativeSettings(BaseModel):
         return SpeculativeConfig(**self.model_dump())
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str | None, device: str) -> str:
+    """As set, else float16 on CPU (half the bytes of a float32 model's cache that each decode step reads
+    and each handoff moves, llama.cpp's default cache type too; and the same layout whichever activation
+    dtype a role resolves to) and auto (the model dtype) elsewhere."""
+    if kv_cache_dtype is not None:
+        return kv_cache_dtype
+    return "float16" if device.startswith("cpu") else "auto"
+
+
 class WorkerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -53,15 +62,18 @@ class WorkerConfig(BaseModel):
     # (quantization auto serves the model dtype there)
     tensor_parallel_size: int = Field(1, ge=1)
     block_size: int = Field(16, ge=1)
-    kv_memory_bytes: int = Field(256 << 20, ge=1 << 20)
+    # 128 MiB: 5.8k tokens of SmolLM2-135M's KV in the CPU default float16 cache (11.6k in int8, 2.9k in float32)
+    kv_memory_bytes: int = Field(128 << 20, ge=1 << 20)
     num_blocks: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)  # per-step token budget: the prefill chunk size
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    # KV pool values: the model dtype, or int8 / fp8 e4m3 with per-(token, KV head) scales (half the bytes
-    # per block and per handoff); prefill and decode must agree (SystemConfig checks), or every handoff falls back
-    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = "auto"
+    # KV pool values: auto (the model dtype), float16 (CPU), or int8 / fp8 e4m3 with per-(token, KV head)
+    # scales (a quarter of float32's bytes per block and per handoff); None: float16 on CPU, else auto
+    # (`resolve_kv_cache_dtype`). Prefill and decode must agree (SystemConfig checks), or
+    # every handoff falls back
+    kv_cache_dtype: Literal["auto", "float16", "int8", "fp8_e4m3"] | None = None
     lease_ttl_s: float = Field(30.0, gt=0)
     transport: Literal["ucx", "redis"] = "ucx"
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -111,6 +123,15 @@ class WorkerConfig(BaseModel):
             raise ValueError(f"fp8 weights need a GPU with FP8; device {device!r} has none (int8 or int4 run on CPU)")
         return value
 
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _float16_cache_on_cpu(cls, value: str | None, info: ValidationInfo) -> str | None:
+        device = info.data.get("device", "cpu")
+        if value == "float16" and not device.startswith("cpu"):
+            raise ValueError(f"float16 is the CPU's half-size cache; on device {device!r} use auto (the model "
+                             "dtype), int8 or fp8_e4m3")
+        return value
+
     @field_validator("tensor_parallel_size")
     @classmethod
     def _tensor_parallel_runs_on_cpu(cls, value: int, info: ValidationInfo) -> int:
@@ -126,6 +147,9 @@ class WorkerConfig(BaseModel):
     def resolved_ucx_host(self) -> str:
         return self.ucx_host or os.environ.get(UCX_HOST_ENV) or "127.0.0.1"
 
+    def resolved_kv_cache_dtype(self) -> str:
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.device)
+
     def engine_config(self) -> EngineConfig:
         from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -136,7 +160,7 @@ class WorkerConfig(BaseModel):
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               memory_budget_bytes=self.kv_memory_bytes,
                               enable_prefix_caching=self.enable_prefix_caching,
-                              kv_cache_dtype=self.kv_cache_dtype),
+                              kv_cache_dtype=self.resolved_kv_cache_dtype()),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       enable_chunked_prefill=self.enable_chunked_prefill),

@@ -8,7 +8,7 @@ import torch
 
 from pdserve.structured.config import StructuredConfig
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "float16", "int8", "fp8_e4m3")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")  # pdserve.models.quantization.QUANTIZATIONS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,8 +28,9 @@ class CacheConfig:
     num_blocks: int | None = None
     memory_budget_bytes: int = 512 * 1024 * 1024
     enable_prefix_caching: bool = True
-    # "auto" (the model dtype) | "int8" | "fp8_e4m3": the pool stores quantized K/V with per-(token, KV head)
-    # scales inside each block; attention upcasts (pdserve.kvcache.quant)
+    # "auto" (the model dtype) | "float16" (CPU: half a float32 model's KV bytes) | "int8" | "fp8_e4m3": the
+    # pool stores quantized K/V with per-(token, KV head) scales inside each block; attention upcasts
+    # (pdserve.kvcache.quant)
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -105,6 +106,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.cache.kv_cache_dtype == "float16" and not self.device.startswith("cpu"):
+            raise ValueError(f"kv_cache_dtype float16 is the CPU's half-size cache; on device {self.device!r} "
+                             "the cache is in the model dtype already (auto) or int8 / fp8_e4m3")
         if self.tensor_parallel_size > 1 and (self.weight_quantization != "none" or not self.device.startswith("cpu")):
             raise ValueError("tensor_parallel_size > 1 runs unquantized weights on CPU (gloo) only, got "
                              f"quantization={self.quantization!r} on device {self.device!r}")

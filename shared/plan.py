@@ -38,6 +38,7 @@ QUANT_WEIGHT_BYTES = {"int4": (0.625, 0.625), "int8": (1.125, 1.125), "fp8": (1.
 PLAN_QUANTIZATIONS = ("none", *QUANT_WEIGHT_BYTES)
 # quantized KV caches: bytes per value, and float16 scale bytes per (token, layer, K/V, KV head)
 KV_VALUE_BYTES = {"int8": 1, "fp8_e4m3": 1}
+KV_PLAIN_BYTES = {"float16": 2}  # plain values whatever the model dtype, no scales
 KV_SCALE_BYTES = 2
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -74,6 +75,8 @@ def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int, kv_cache_dtype: st
     rows = 2 * config.num_layers * config.num_kv_heads
     if kv_cache_dtype == "auto":
         return rows * config.head_dim * dtype_bytes
+    if kv_cache_dtype in KV_PLAIN_BYTES:
+        return rows * config.head_dim * KV_PLAIN_BYTES[kv_cache_dtype]
     return rows * (config.head_dim * KV_VALUE_BYTES[kv_cache_dtype] + KV_SCALE_BYTES)
 
 

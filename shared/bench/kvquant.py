@@ -177,20 +177,22 @@ def run(model: str | None = None, quick: bool = False, seed: int = 0) -> dict:
     num_prompts, max_tokens = (16, 16) if quick else (64, 64)
     text_ids: list[int] = []
     ppl, outputs = {}, {}
-    for kv in ("auto", "int8", "fp8_e4m3"):
+    for kv in ("auto", "float16", "int8", "fp8_e4m3"):
         _log(f"{kv}: perplexity and greedy continuations")
         llm = LLM(_engine_config(str(model_dir), kv, num_blocks=512))
         text_ids = text_ids or llm.tokenizer.encode(TEXT.read_text())
         ppl[kv] = perplexity(llm, text_ids[: 512 if quick else None])
         if kv == "auto":
             result["scale_layout_rel_error_int8"] = scale_layout_error(llm.engine)
-        if kv != "fp8_e4m3":
+        if kv in ("auto", "float16", "int8"):
             outputs[kv] = greedy(llm, greedy_prompts(text_ids, num_prompts), max_tokens)
         del llm
     result["text_tokens"] = len(text_ids) if not quick else 512
     result["perplexity"] = {k: round(v, 4) for k, v in ppl.items()}
     result["ppl_delta_pct_int8"] = round(100 * (ppl["int8"] / ppl["auto"] - 1), 4)
     result["ppl_delta_pct_fp8_e4m3"] = round(100 * (ppl["fp8_e4m3"] / ppl["auto"] - 1), 4)
+    result["ppl_delta_pct_float16"] = round(100 * (ppl["float16"] / ppl["auto"] - 1), 4)
+    result["greedy_match_float16"] = compare_greedy(outputs["auto"], outputs["float16"], max_tokens)["share_identical"]
     match = compare_greedy(outputs["auto"], outputs["int8"], max_tokens)
     result["greedy_match_int8"] = match["share_identical"]
     result["greedy_int8"] = match

@@ -61,6 +61,8 @@ class LLMEngine(EngineLeases):
                                           config.resolved_dtype, config.dtype, config.device)
         if config.weight_quantization != config.quantization:
             self.served_weights = f"quantization auto on {tp} tensor-parallel ranks: model dtype; {self.served_weights}"
+        kv = config.cache.kv_cache_dtype
+        self.served_weights += f"; KV cache {kv if kv != 'auto' else f'auto ({config.resolved_dtype})'}"
         logger.info("%s", self.served_weights)
         self.max_model_len = max_len or self.model_config.max_position_embeddings
         if self.model_config.sliding_window:

@@ -73,11 +73,14 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.pd_quant_dequant.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, i64, i64, i64, i64, ptr]
     lib.pd_quant_dequant.restype = None
     lib.pd_quant_isa.restype = ctypes.c_int
-    lib.pd_paged_decode.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_float,
+    lib.pd_paged_decode.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ptr,
+                                    ctypes.c_float,
                                     ptr]
     lib.pd_paged_decode.restype = ctypes.c_int
-    lib.pd_store_kv.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr]
+    lib.pd_store_kv.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
     lib.pd_store_kv.restype = ctypes.c_int
+    lib.pd_kv_half_supported.argtypes = []
+    lib.pd_kv_half_supported.restype = ctypes.c_int
     lib.pd_rms_norm.argtypes = [ptr, ptr, i64, i64, ctypes.c_float, ptr]
     lib.pd_rms_norm.restype = None
     lib.pd_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "float16", "int8", "fp8_e4m3")  # float16: plain values, no scales
 QUANT_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 SCALE_DTYPE = torch.float16

@@ -68,9 +68,9 @@ def model_fingerprint(config: ModelConfig) -> str:
 
 
 def layout_of(config: ModelConfig, dtype: torch.dtype, block_size: int, kv_cache_dtype: str = "auto") -> KVLayout:
-    """`dtype` is the model dtype; with a quantized `kv_cache_dtype` the values are stored in that instead."""
-    quantized = kv_cache_dtype != "auto"
-    stored = QUANT_DTYPES[kv_cache_dtype] if quantized else dtype
+    """`dtype` is the model dtype; with another `kv_cache_dtype` the values are stored in that instead."""
+    quantized = kv_cache_dtype in QUANT_DTYPES
+    stored = QUANT_DTYPES[kv_cache_dtype] if quantized else torch.float16 if kv_cache_dtype == "float16" else dtype
     return KVLayout(
         model_fingerprint=model_fingerprint(config),
         dtype=str(stored).removeprefix("torch."),

@@ -1,6 +1,8 @@
 """KV pool storage per `kv_cache_dtype`: the byte size of a block and the per-layer cache views.
 
 auto: the pool is typed by the model dtype, [num_blocks, num_layers, 2, block_size, Hkv, D].
+float16: the same layout in float16 whatever the model dtype (half a float32 model's bytes; attention
+    reads the values back as the model dtype).
 int8 | fp8_e4m3: the pool is bytes, [num_blocks, block_nbytes]; each block holds, in this order,
     values  [num_layers, 2, block_size, Hkv, D]   int8 | float8_e4m3fn
     scales  [num_layers, 2, block_size, Hkv]      float16 (one per token and KV head)
@@ -25,7 +27,8 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
 
 
 def is_quantized_dtype(kv_cache_dtype: str) -> bool:
-    return check_kv_cache_dtype(kv_cache_dtype) != "auto"
+    """Values with scales (int8, fp8_e4m3); auto and float16 are plain values."""
+    return check_kv_cache_dtype(kv_cache_dtype) in QUANT_DTYPES
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -34,6 +37,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def value_dtype(model_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
     """The dtype of the stored K/V values."""
+    if kv_cache_dtype == "float16":
+        return torch.float16
     return QUANT_DTYPES[kv_cache_dtype] if is_quantized_dtype(kv_cache_dtype) else model_dtype
 
 
@@ -55,7 +60,8 @@ def allocate_kv_cache(
     """The pool (contiguous, first dim = blocks) and one (k_cache, v_cache) per layer viewing it."""
     layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
     if not is_quantized_dtype(kv_cache_dtype):
-        pool = allocate_pool((num_blocks, layers, 2, block_size, heads, dim), model_dtype, device)
+        pool = allocate_pool((num_blocks, layers, 2, block_size, heads, dim), value_dtype(model_dtype, kv_cache_dtype),
+                             device)
         return pool, [(pool[:, i, 0], pool[:, i, 1]) for i in range(layers)]
     nbytes = kv_block_nbytes(config, block_size, model_dtype, kv_cache_dtype)
     pool = allocate_pool((num_blocks, nbytes), torch.uint8, device)

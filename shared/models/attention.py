@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from pdserve.kernels.cpu_attention import native_cache, paged_decode, store_kv
 from pdserve.kernels.kv_quant import QuantizedCache, gather_dequantized, store_quantized
 
-# a layer's K or V cache: [num_blocks, block_size, Hkv, Dh] in the model dtype, or int8/fp8 values with scales
+# a layer's K or V cache: [num_blocks, block_size, Hkv, Dh] in the model dtype or float16 (written rounded,
+# read back as the model dtype), or int8/fp8 values with scales
 KVCache = torch.Tensor | QuantizedCache
 
 
@@ -73,20 +74,25 @@ def store_kvcache(
         store_quantized(k, k_cache, blocks, offsets)
         store_quantized(v, v_cache, blocks, offsets)
         return
-    k_cache.index_put_((blocks, offsets), k)
-    v_cache.index_put_((blocks, offsets), v)
+    k_cache.index_put_((blocks, offsets), k.to(k_cache.dtype))
+    v_cache.index_put_((blocks, offsets), v.to(v_cache.dtype))
 
 
 def gather_blocks(cache: KVCache, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
     # cache: [num_blocks, block_size, Hkv, D] -> [length, Hkv, D] in `dtype` (dequantized on the fly)
     if isinstance(cache, QuantizedCache):
         return gather_dequantized(cache, block_table, dtype).flatten(0, 1)[:length]
-    return cache.index_select(0, block_table).flatten(0, 1)[:length]
+    return cache.index_select(0, block_table).flatten(0, 1)[:length].to(dtype)
 
 
 def _gather(cache: KVCache, blocks: torch.Tensor, buffer: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(cache, QuantizedCache):
         return gather_dequantized(cache, blocks, dtype, out=buffer)
+    if cache.dtype is not dtype:
+        gathered = cache.index_select(0, blocks)
+        if buffer is None or buffer.shape[0] < blocks.numel() or buffer.dtype is not dtype:
+            return gathered.to(dtype)
+        return buffer[: blocks.numel()].copy_(gathered)
     if buffer is None or buffer.shape[0] < blocks.numel():
         return cache.index_select(0, blocks)
     return torch.index_select(cache, 0, blocks, out=buffer[: blocks.numel()])
@@ -155,8 +161,9 @@ def prefill_attention(
 ) -> torch.Tensor:
     # q: [Q, H, Dh]; k, v: [Q, Hkv, Dh] (this chunk's keys) -> out [Q, H, Dh]
     num_cached = chunk.context_len - chunk.query_len
-    # a quantized cache is always read back (like the Triton kernel), so the chunk sees what decode will
-    if num_cached == 0 and not isinstance(k_cache, QuantizedCache):
+    # a quantized or float16 cache is always read back (like the Triton kernel), so the chunk sees what
+    # decode will
+    if num_cached == 0 and not isinstance(k_cache, QuantizedCache) and k_cache.dtype is q.dtype:
         keys, values, mask, causal = k, v, None, True
     elif num_cached == 0:
         keys = gather_blocks(k_cache, chunk.block_table, chunk.context_len, q.dtype)

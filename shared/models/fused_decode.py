@@ -14,7 +14,7 @@ import ctypes
 import torch
 from torch import nn
 
-from pdserve.kernels.cpu_attention import native_cache
+from pdserve.kernels.cpu_attention import is_half, native_cache
 from pdserve.kernels.cpu_native import library
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.quant_linear import MAX_KERNEL_ROWS
@@ -36,7 +36,7 @@ class Layer(ctypes.Structure):
 class Dims(ctypes.Structure):
     _fields_ = [("hidden", i64), ("heads", i64), ("kv_heads", i64), ("head_dim", i64), ("intermediate", i64),
                 ("eps", f32), ("scale", f32), ("cos", ptr), ("sin", ptr), ("max_positions", i64),
-                ("num_blocks", i64), ("block_size", i64), ("block_stride", i64)]
+                ("num_blocks", i64), ("block_size", i64), ("block_stride", i64), ("kv_half", i64)]
 
 
 def _qlinear(linear: NativeQuantLinear, held: list[torch.Tensor]) -> QLinear:
@@ -75,7 +75,7 @@ class FusedDecode:
         self.dims = Dims(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                          c.rms_norm_eps, model.layers[0].self_attn.scale, rotary.cos.data_ptr(),
                          rotary.sin.data_ptr(), rotary.cos.shape[0], k_cache.shape[0], k_cache.shape[1],
-                         k_cache.stride(0))
+                         k_cache.stride(0), is_half(k_cache))
         self.held = held
         self._layers_ptr, self._dims_ptr = ctypes.addressof(self.layers), ctypes.addressof(self.dims)
         self._scratch = torch.empty(0)
@@ -83,7 +83,7 @@ class FusedDecode:
     @staticmethod
     def supports(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """The model's layers are all native-quantized without biases, its norms and rotary tables float32
-        on CPU, and every layer's caches are float32 pool views the native attention reads."""
+        on CPU, and every layer's caches are float32 or float16 pool views the native attention reads."""
         c = getattr(model, "config", None)
         if library() is None or c is None or c.sliding_window is not None or not hasattr(model, "layers"):
             return False

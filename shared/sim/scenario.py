@@ -22,6 +22,8 @@ from pdserve.sim.workload import requests_for
 
 # the live defaults (services/worker.py WorkerConfig, services/router/config.py RouterConfig) the scenarios
 # leave unset
+# the worker's 128 MiB of float16 KV (its CPU default) holds as many tokens as 256 MiB at the float32
+# bytes per token of the committed CPU profiles
 KV_MEMORY_BYTES = 256 << 20
 ROUTER_SLO_TTFT_S, ROUTER_SLO_TPOT_S, ROUTER_MIN_PROMPT = 2.0, 0.2, 32
 

@@ -46,14 +46,14 @@ KERNEL_TOL, KERNEL_MEAN_TOL = (0.05, 0.01) if NATIVE else (2.0, 0.2)
 NEAR_TIE = 0.5  # top-1 minus top-2 logprob of the reference
 
 
-def _llm(quantization: str) -> LLM:
+def _llm(quantization: str, kv_cache_dtype: str = "auto") -> LLM:
     return LLM(
         EngineConfig(
             model=DEFAULT_MODEL,
             device="cpu",
             dtype="float32",
             quantization=quantization,
-            cache=CacheConfig(block_size=16, num_blocks=256),
+            cache=CacheConfig(block_size=16, num_blocks=256, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
         )
     )
@@ -180,3 +180,38 @@ def test_perplexity_within_one_percent(reference, quantized) -> None:
         )
         assert math.isfinite(ratio) and abs(ratio - 1) < 0.01
     _set_kernel_rows(llm, MAX_KERNEL_ROWS)
+
+
+@pytest.fixture(scope="module")
+def served() -> LLM:
+    """What `pdserve serve` runs on CPU by default: the file's weights as stored and the float16 KV cache."""
+    return _llm("auto", kv_cache_dtype="float16")
+
+
+def test_float16_kv_cache_is_float16_and_native(served) -> None:
+    k_cache, v_cache = served.engine.runner.kv_caches[0]
+    assert k_cache.dtype is torch.float16 and v_cache.dtype is torch.float16
+    assert served.engine.runner.kv_pool.dtype is torch.float16
+    if NATIVE:
+        from pdserve.models.fused_decode import FusedDecode
+
+        assert FusedDecode.supports(served.engine.runner.model, served.engine.runner.kv_caches)
+    assert "KV cache float16" in served.engine.served_weights
+
+
+def test_float16_kv_greedy_tokens_and_perplexity(reference, served) -> None:
+    """The served default against the float32 reference: greedy tokens as the int4 weights alone allow (the
+    same bar), divergences only at near-ties, perplexity within 1%."""
+    identical, divergence_gaps = 0, []
+    for text, (ref, gaps), (ours, _) in zip(CHAT_PROMPTS, reference["greedy"], _greedy(served, reference["prompts"])):
+        first = next((i for i, (a, b) in enumerate(zip(ref, ours)) if a != b), None)
+        identical += first is None
+        if first is not None:
+            divergence_gaps.append(gaps[first])
+        print(f"\nauto + float16 KV {text!r}: first divergence {first}"
+              + ("" if first is None else f", reference top-2 logprob gap there {gaps[first]:.3f}"))
+    ratio = perplexity(served, reference["text"]) / reference["ppl"]
+    print(f"auto + float16 KV: {identical}/4 identical; perplexity ratio {ratio:.5f} on {len(reference['text'])} tokens")
+    assert identical >= (3 if NATIVE else 2)
+    assert all(gap < NEAR_TIE for gap in divergence_gaps)
+    assert math.isfinite(ratio) and abs(ratio - 1) < 0.01

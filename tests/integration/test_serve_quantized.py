@@ -39,3 +39,6 @@ def test_serve_serves_the_gguf_as_stored_by_default_and_says_what_it_serves(tmp_
         assert (f"{role} replica: quantization auto: 120 linears int4 (GGUF Q4_1, kernel {body}), 1 linears int8 "
                 f"(GGUF Q8_0, kernel {head}); embedding from GGUF blocks (Q8_0{tied})") in output, output[-3000:]
     assert "activations float32 (dtype default; CPU has" in output
+    for role in ("prefill", "decode"):  # the CPU default cache, said on each replica's line
+        assert any(f"{role} replica: " in line and line.rstrip().endswith("; KV cache float16")
+                   for line in output.splitlines()), output[-3000:]

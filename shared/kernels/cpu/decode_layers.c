@@ -15,10 +15,12 @@ void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, 
 void pd_rms_norm(const float *x, const float *weight, int64_t T, int64_t H, float eps, float *out);
 int pd_rotary(const float *src, int64_t T, int64_t heads, int64_t src_stride, int64_t D, const int64_t *positions,
               const float *cos, const float *sin, int64_t max_positions, float *dst);
-int pd_paged_decode(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D, const float *k_cache,
-                    const float *v_cache, int64_t num_blocks, int64_t block_size, int64_t block_stride,
+int pd_paged_decode(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D, const void *k_cache,
+                    const void *v_cache, int half, int64_t num_blocks, int64_t block_size, int64_t block_stride,
                     const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, float scale,
                     float *out);
+void pd_store_row(void *cache, int half, int64_t at, const float *src, int64_t count);
+int pd_kv_half_supported(void);
 
 typedef struct { /* one quantized linear, as pdserve.kernels.cpu_quant packs it: y [M, N] = x [M, K] @ w^T */
     const uint8_t *packed;
@@ -29,14 +31,14 @@ typedef struct { /* one quantized linear, as pdserve.kernels.cpu_quant packs it:
 typedef struct {
     const float *input_norm, *post_attention_norm; /* [hidden] */
     pd_qlinear qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* [num_blocks, block_size, Hkv, D], blocks block_stride floats apart */
+    void *k_cache, *v_cache; /* [num_blocks, block_size, Hkv, D] float32 or half (kv_half), blocks block_stride elements apart */
 } pd_layer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
     const float *cos, *sin; /* [max_positions, head_dim] */
-    int64_t max_positions, num_blocks, block_size, block_stride;
+    int64_t max_positions, num_blocks, block_size, block_stride, kv_half;
 } pd_dims;
 
 static void linear(const pd_qlinear *w, const float *x, int64_t M, float *y) {
@@ -56,6 +58,8 @@ int pd_decode_layers(float *x, int64_t n, const pd_dims *m, const pd_layer *laye
                      int64_t table_width, const int64_t *context_lens, float *scratch) {
     const int64_t H = m->heads, Hkv = m->kv_heads, D = m->head_dim, I = m->intermediate, hidden = m->hidden;
     const int64_t q_size = H * D, kv_size = Hkv * D, qkv_size = q_size + 2 * kv_size;
+    const int half = (int)m->kv_half;
+    if (half && !pd_kv_half_supported()) return -1;
     for (int64_t i = 0; i < n; i++) {
         const int64_t len = context_lens[i];
         if (positions[i] < 0 || positions[i] >= m->max_positions) return -1;
@@ -75,10 +79,10 @@ int pd_decode_layers(float *x, int64_t n, const pd_dims *m, const pd_layer *laye
         pd_rotary(qkv + q_size, n, Hkv, qkv_size, D, positions, m->cos, m->sin, m->max_positions, kr);
         for (int64_t i = 0; i < n; i++) {
             const int64_t at = slots[i] / m->block_size * m->block_stride + slots[i] % m->block_size * kv_size;
-            memcpy(L->k_cache + at, kr + i * kv_size, kv_size * sizeof(float));
-            memcpy(L->v_cache + at, qkv + i * qkv_size + q_size + kv_size, kv_size * sizeof(float));
+            pd_store_row(L->k_cache, half, at, kr + i * kv_size, kv_size);
+            pd_store_row(L->v_cache, half, at, qkv + i * qkv_size + q_size + kv_size, kv_size);
         }
-        pd_paged_decode(qr, n, H, Hkv, D, L->k_cache, L->v_cache, m->num_blocks, m->block_size, m->block_stride,
+        pd_paged_decode(qr, n, H, Hkv, D, L->k_cache, L->v_cache, half, m->num_blocks, m->block_size, m->block_stride,
                         block_tables, table_width, context_lens, m->scale, attn);
         linear(&L->o, attn, n, proj);
         for (int64_t j = 0; j < n * hidden; j++) x[j] += proj[j];

@@ -1,5 +1,5 @@
-"""The native decode attention and KV store over the paged float32 cache (pdserve.kernels.cpu_attention)
-against torch's path in pdserve.models.attention, on the same caches."""
+"""The native decode attention and KV store over the paged float32 and float16 caches
+(pdserve.kernels.cpu_attention) against torch's path in pdserve.models.attention, on the same caches."""
 
 from __future__ import annotations
 
@@ -16,15 +16,17 @@ if cpu_native.library() is None:
 NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM = 32, 16, 3, 64
 
 
-def _caches(seed: int, layout: str = "pool") -> tuple[torch.Tensor, torch.Tensor]:
+def _caches(seed: int, layout: str = "pool", dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """"pool": layer 1's K and V views of a 3-layer pool [blocks, layers, 2, block, Hkv, D], as the engine
     allocates them (pdserve.kvcache.quant.allocate_kv_cache): blocks strided. "contiguous": two tensors."""
     gen = torch.Generator().manual_seed(seed)
     if layout == "pool":
-        pool = torch.randn(NUM_BLOCKS, 3, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+        pool = torch.randn(NUM_BLOCKS, 3, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
         return pool[:, 1, 0], pool[:, 1, 1]
     shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
-    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+
+HALF = bool(cpu_native.library().pd_kv_half_supported())  # built with F16C
 
 
 def test_the_engines_caches_take_the_native_path() -> None:
@@ -35,11 +37,14 @@ def test_the_engines_caches_take_the_native_path() -> None:
     assert not caches[0][0].is_contiguous()  # the strided case is the one served
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layout", ["pool", "contiguous"])
 @pytest.mark.parametrize("heads", [3, 9, 12])  # MHA, GQA 3, GQA 4 (torch's bmm path)
 @pytest.mark.parametrize("lens", [[1], [16], [37, 100, 5], [200, 200]])
-def test_decode_attention_matches_torchs_path(monkeypatch, heads: int, lens: list[int], layout: str) -> None:
-    k_cache, v_cache = _caches(len(lens) + heads, layout)
+def test_decode_attention_matches_torchs_path(monkeypatch, heads: int, lens: list[int], layout: str,
+                                              dtype: torch.dtype) -> None:
+    k_cache, v_cache = _caches(len(lens) + heads, layout, dtype)
+    assert native_cache(k_cache, v_cache) == (dtype is torch.float32 or HALF)
     gen = torch.Generator().manual_seed(heads)
     width = max((n + BLOCK - 1) // BLOCK for n in lens)
     tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=gen)[:width] for _ in lens])
@@ -66,24 +71,30 @@ def test_two_groups_fill_their_own_rows() -> None:
                                                    group.context_lens, 0.125))
 
 
-def test_store_writes_strided_rows_of_the_fused_projection_like_torch(monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_writes_strided_rows_of_the_fused_projection_like_torch(monkeypatch, dtype: torch.dtype) -> None:
+    if dtype is torch.float16 and not HALF:
+        pytest.skip("built without F16C: float16 caches take torch's path")
     qkv = torch.randn(5, 9 * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM)
     _, k, v = qkv.split([9 * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
     k, v = k.view(5, KV_HEADS, HEAD_DIM), v.view(5, KV_HEADS, HEAD_DIM)
     slots = torch.tensor([0, 17, 18, 511, 100])
-    pools = [torch.zeros(NUM_BLOCKS, 3, 2, BLOCK, KV_HEADS, HEAD_DIM) for _ in range(2)]
+    pools = [torch.zeros(NUM_BLOCKS, 3, 2, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2)]
     native = [pools[0][:, 1, 0], pools[0][:, 1, 1]]
     assert native_cache(*native) and store_kv(k, v, *native, slots)
     monkeypatch.setenv(cpu_native.KERNEL_ENV, "torch")
     reference = [pools[1][:, 1, 0], pools[1][:, 1, 1]]
     store_kvcache(k, v, *reference, slots)
-    assert torch.equal(pools[0], pools[1])  # the other layers' slots untouched alike
+    assert torch.equal(pools[0], pools[1])  # the other layers' slots untouched alike; float16 rounded alike
     assert not native_cache(*reference)  # PDSERVE_CPU_KERNELS=torch
 
 
 def test_layouts_the_kernels_do_not_read_go_to_torch() -> None:
     k_cache, _ = _caches(1)
-    assert not native_cache(k_cache.half(), k_cache.half())
+    k16, v16 = _caches(1, dtype=torch.float16)
+    kb, vb = _caches(1, dtype=torch.bfloat16)
+    assert not native_cache(kb, vb)
+    assert not native_cache(k16, _caches(1)[1])  # K and V in different dtypes
     assert not native_cache(k_cache, k_cache.transpose(1, 2))
     assert not native_cache(k_cache, _caches(1, "contiguous")[1])  # K and V with different block strides
     k = torch.randn(2, HEAD_DIM, KV_HEADS).transpose(1, 2)  # heads not contiguous within a token

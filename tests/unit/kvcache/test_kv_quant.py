@@ -21,6 +21,7 @@ from pdserve.models.tiny import TINY_CONFIG, ensure_tiny_checkpoint
 from pdserve.sampling_params import SamplingParams
 
 QUANT = ["int8", "fp8_e4m3"]
+STORED = ["float16", *QUANT]  # the dtypes whose stored values differ from a float32 model's
 
 
 def _model_config(**kw) -> ModelConfig:
@@ -93,9 +94,12 @@ def test_layout_hash_covers_value_dtype_and_scale_layout():
     config = _model_config()
     hashes = {
         layout_of(config, dtype, 16, kv).layout_hash
-        for dtype in (torch.float32, torch.bfloat16) for kv in ("auto", "int8", "fp8_e4m3")
+        for dtype in (torch.float32, torch.bfloat16) for kv in ("auto", "float16", "int8", "fp8_e4m3")
     }
-    assert len(hashes) == 4  # int8 and fp8 do not depend on the model dtype: the stored bytes are the same
+    assert len(hashes) == 5  # float16, int8 and fp8 do not depend on the model dtype: the stored bytes are the same
+    half = layout_of(config, torch.float32, 16, "float16")
+    assert half.dtype == "float16" and half.scale_layout == "none"
+    assert half.block_nbytes * 2 == layout_of(config, torch.float32, 16).block_nbytes
     int8 = layout_of(config, torch.float32, 16, "int8")
     assert int8.dtype == "int8" and int8.scale_layout == "token_head:float16"
     other_scales = type(int8)(**{**int8.__dict__, "scale_layout": "block_head:float32"})
@@ -125,7 +129,7 @@ def _engine(tiny_dir, kv_cache_dtype: str, dtype: str = "float32", **cache) -> L
                                   cache=CacheConfig(kv_cache_dtype=kv_cache_dtype, **cache)))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", *QUANT])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", *STORED])
 def test_block_accounting_from_the_memory_budget_is_exact(tiny_dir, kv_cache_dtype):
     budget = 10 * kv_block_nbytes(_engine(tiny_dir, "auto").model_config, 16, torch.float32, kv_cache_dtype) + 7
     engine = _engine(tiny_dir, kv_cache_dtype, num_blocks=None, memory_budget_bytes=budget)
@@ -133,22 +137,37 @@ def test_block_accounting_from_the_memory_budget_is_exact(tiny_dir, kv_cache_dty
     assert engine.block_manager.num_blocks == 10 == engine.runner.kv_pool.shape[0]
     assert engine.runner.kv_pool.numel() * engine.runner.kv_pool.element_size() == 10 * block_nbytes
     assert KVPoolIO(engine.runner.kv_pool).block_nbytes == block_nbytes
-    assert isinstance(engine.runner.kv_caches[0][0], QuantizedCache) == (kv_cache_dtype != "auto")
+    assert isinstance(engine.runner.kv_caches[0][0], QuantizedCache) == (kv_cache_dtype in QUANT)
 
 
-def test_int8_engine_stays_close_to_unquantized(tiny_dir):
+@pytest.mark.parametrize("kv_cache_dtype, tolerance", [("int8", 0.05), ("float16", 0.005)])
+def test_stored_kv_engine_stays_close_to_float32(tiny_dir, kv_cache_dtype, tolerance):
     # teacher-forced prompt logprobs through the paged path (chunks of 16 read the int8 cache back)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     scheduler = {"max_num_batched_tokens": 16, "max_num_seqs": 4}
     results = {}
-    for kv in ("auto", "int8"):
+    for kv in ("auto", kv_cache_dtype):
         llm = LLM(EngineConfig(model=str(tiny_dir), device="cpu", dtype="float32",
                                cache=CacheConfig(num_blocks=NUM_BLOCKS, kv_cache_dtype=kv),
                                scheduler=SchedulerConfig(**scheduler)))
         (out,) = llm.generate([list(PROMPT)], params)
         results[kv] = torch.tensor(out.prompt_logprobs[1:])
-    assert (results["auto"] - results["int8"]).abs().max() < 0.05
-    assert not torch.equal(results["auto"], results["int8"])  # int8 really is in the path
+    assert (results["auto"] - results[kv_cache_dtype]).abs().max() < tolerance
+    assert not torch.equal(results["auto"], results[kv_cache_dtype])  # the stored dtype really is in the path
+
+
+def test_float16_cache_under_a_bfloat16_model(tiny_dir):
+    """The serving default on CPU whatever the activation dtype: a bf16 model's K/V cast on store and gather."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    results = {}
+    for kv in ("auto", "float16"):
+        llm = LLM(EngineConfig(model=str(tiny_dir), device="cpu", dtype="bfloat16",
+                               cache=CacheConfig(num_blocks=NUM_BLOCKS, kv_cache_dtype=kv),
+                               scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4)))
+        assert llm.engine.runner.kv_pool.dtype is (torch.bfloat16 if kv == "auto" else torch.float16)
+        (out,) = llm.generate([list(PROMPT)], params)
+        results[kv] = torch.tensor(out.prompt_logprobs[1:])
+    assert (results["auto"] - results["float16"]).abs().max() < 0.1
 
 
 def test_int8_and_bf16_pools_refuse_each_other_with_a_counted_fallback(tiny_dir):
@@ -171,9 +190,10 @@ def test_int8_and_bf16_pools_refuse_each_other_with_a_counted_fallback(tiny_dir)
     asyncio.run(main())
 
 
-def test_int8_handoff_between_engines_matches_plain_int8_generation(tiny_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "float16"])
+def test_stored_kv_handoff_between_engines_matches_plain_generation(tiny_dir, kv_cache_dtype):
     async def main():
-        a, b, ref = (AsyncLLMEngine(_engine(tiny_dir, "int8")) for _ in range(3))
+        a, b, ref = (AsyncLLMEngine(_engine(tiny_dir, kv_cache_dtype)) for _ in range(3))
         hub = LocalHub()
         exporter = KVExporter(a, LocalTransport(engine_pool(a), engine_layout(a), a.release_lease_quietly, hub=hub))
         importer = KVImporter(b, LocalTransport(engine_pool(b), engine_layout(b), hub=hub))
@@ -191,7 +211,7 @@ def test_int8_handoff_between_engines_matches_plain_int8_generation(tiny_dir):
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("kv_cache_dtype", QUANT)
+@pytest.mark.parametrize("kv_cache_dtype", STORED)
 def test_prefix_cache_hits_and_preemption_read_the_same_quantized_blocks(tiny_dir, kv_cache_dtype):
     llm = LLM(EngineConfig(model=str(tiny_dir), device="cpu", dtype="float32",
                            cache=CacheConfig(num_blocks=NUM_BLOCKS, kv_cache_dtype=kv_cache_dtype)))

@@ -13,8 +13,11 @@ from pdserve.services.worker import WorkerConfig
 
 
 def test_worker_config_reaches_the_cache_config():
-    assert WorkerConfig().engine_config().cache.kv_cache_dtype == "auto"
+    assert WorkerConfig().engine_config().cache.kv_cache_dtype == "float16"  # a float32 model on CPU
+    assert WorkerConfig(kv_cache_dtype="auto").engine_config().cache.kv_cache_dtype == "auto"
     assert WorkerConfig(kv_cache_dtype="int8").engine_config().cache.kv_cache_dtype == "int8"
+    assert WorkerConfig(dtype="bfloat16").engine_config().cache.kv_cache_dtype == "float16"  # on CPU whatever the dtype
+    assert WorkerConfig(device="cuda").resolved_kv_cache_dtype() == "auto"
     with pytest.raises(ValidationError):
         WorkerConfig(kv_cache_dtype="int4")
 
@@ -44,4 +47,22 @@ def test_serve_flag_sets_both_roles():
     args = serve_parser().parse_args(["--model", "tiny", "--kv-cache-dtype", "int8"])
     config = _config(args, None)
     assert config.worker("prefill").kv_cache_dtype == config.worker("decode").kv_cache_dtype == "int8"
-    assert _config(serve_parser().parse_args(["--model", "tiny"]), None).kv_cache_dtype == "auto"
+    default = _config(serve_parser().parse_args(["--model", "tiny"]), None)
+    assert default.kv_cache_dtype is None
+    assert default.worker("prefill").resolved_kv_cache_dtype() == default.worker("decode").resolved_kv_cache_dtype() == "float16"
+
+
+def test_float16_on_a_gpu_is_refused_naming_the_field():
+    with pytest.raises(ValidationError, match="kv_cache_dtype") as err:
+        WorkerConfig(device="cuda", kv_cache_dtype="float16")
+    assert "CPU" in str(err.value)
+    with pytest.raises(ValueError, match="float16"):
+        from pdserve.config import CacheConfig, EngineConfig
+
+        EngineConfig(device="cuda", cache=CacheConfig(kv_cache_dtype="float16"))
+
+
+def test_the_default_and_an_explicit_float16_agree():
+    assert SystemConfig(prefill={"kv_cache_dtype": "float16"}).worker("decode").resolved_kv_cache_dtype() == "float16"
+    with pytest.raises(ValidationError, match="KV cache dtypes differ"):
+        SystemConfig(prefill={"kv_cache_dtype": "auto"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.kernels import cpu_native
 from pdserve.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk
@@ -28,21 +29,25 @@ def checkpoint(tmp_path_factory) -> str:
     return str(path)
 
 
-def _generate(checkpoint: str, quantization: str, fused: bool, monkeypatch) -> list:
+def _generate(checkpoint: str, quantization: str, fused: bool, monkeypatch, kv_cache_dtype: str = "auto") -> list:
     with monkeypatch.context() as patch:
         if not fused:
             patch.setattr(FusedDecode, "supports", staticmethod(lambda *a: False))
-        llm = LLM(model=checkpoint, device="cpu", quantization=quantization)
+        llm = LLM(EngineConfig(model=checkpoint, device="cpu", quantization=quantization,
+                               cache=CacheConfig(kv_cache_dtype=kv_cache_dtype)))
         model, caches = llm.engine.runner.model, llm.engine.runner.kv_caches
         assert (model._fused_decode(caches) is not None) == fused
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
         return llm.generate(PROMPTS, params)
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
-def test_fused_steps_match_the_per_op_path(checkpoint: str, quantization: str, monkeypatch) -> None:
-    fused = _generate(checkpoint, quantization, True, monkeypatch)
-    per_op = _generate(checkpoint, quantization, False, monkeypatch)
+@pytest.mark.parametrize("quantization, kv_cache_dtype", [("int4", "auto"), ("int8", "auto"), ("int4", "float16")])
+def test_fused_steps_match_the_per_op_path(checkpoint: str, quantization: str, kv_cache_dtype: str,
+                                           monkeypatch) -> None:
+    if kv_cache_dtype == "float16" and not cpu_native.library().pd_kv_half_supported():
+        pytest.skip("built without F16C: float16 caches take torch's path")
+    fused = _generate(checkpoint, quantization, True, monkeypatch, kv_cache_dtype)
+    per_op = _generate(checkpoint, quantization, False, monkeypatch, kv_cache_dtype)
     for a, b in zip(fused, per_op):
         assert a.token_ids == b.token_ids
         # silu's expf against torch's vectorized exp moves x by ulps, and the VNNI kernel's int8 planes of x
