@@ -200,9 +200,10 @@ def run(model: str | None = None, quick: bool = False, seed: int = 0) -> dict:
     result["handoff"] = handoff(str(model_dir), text_ids[:512])
     result["handoff_bytes_ratio_int8"] = result["handoff"]["ratio_int8"]
     _log("decode tokens/s, batch 32 x 1,024-token contexts (synthetic KV)")
-    decode = decode_tokens_per_s(str(model_dir), ("auto", "int8"), steps=2 if quick else 7, seed=seed)
+    decode = decode_tokens_per_s(str(model_dir), ("auto", "float16", "int8"), steps=2 if quick else 7, seed=seed)
     result["decode_tok_s_b32_ctx1024"] = decode
     result["decode_speedup_int8"] = round(decode["int8"]["tok_s"] / decode["auto"]["tok_s"], 3)
+    result["decode_speedup_float16"] = round(decode["float16"]["tok_s"] / decode["auto"]["tok_s"], 3)
     result["machine"] = {"device": "cpu", "torch_threads": torch.get_num_threads(), "attention_backend": "torch"}
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
