@@ -47,7 +47,7 @@ def client(server):
 def llm():
     from pdserve.engine import LLM
 
-    return LLM(model="tiny", device="cpu", dtype="float32")
+    return LLM(WorkerConfig().engine_config())  # the engine as the replicas build it (its float16 KV cache too)
 
 
 def _bad(call, param: str, **kwargs) -> openai.BadRequestError:

@@ -10,7 +10,6 @@ import asyncio
 import pytest
 import redis
 
-from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine import AsyncLLMEngine, GenerationRequest, LLMEngine
 from pdserve.engine.handoff import KVExporter, engine_layout, engine_pool
 from pdserve.engine.prefix_pull import PrefixPuller
@@ -34,8 +33,10 @@ def _prompt(seed: int, n: int) -> tuple[int, ...]:
 
 
 def _engine(tiny_dir) -> AsyncLLMEngine:
-    cfg = EngineConfig(model=str(tiny_dir), device="cpu", dtype="float32", cache=CacheConfig(num_blocks=NUM_BLOCKS))
-    return AsyncLLMEngine(LLMEngine(cfg))
+    """As a replica builds it (WorkerConfig: the float16 KV cache on CPU), so that its Redis keys are the replicas'."""
+    from pdserve.services.worker import WorkerConfig
+
+    return AsyncLLMEngine(LLMEngine(WorkerConfig(model=str(tiny_dir), num_blocks=NUM_BLOCKS).engine_config()))
 
 
 def _transport(engine, url, release=None) -> RedisTransport:
