@@ -20,6 +20,7 @@ from pdserve.engine import LLM  # noqa: E402
 from pdserve.kvcache.layout import layout_of  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.services.app import SystemConfig, build_system  # noqa: E402
+from pdserve.services.worker import WorkerConfig  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Explain how a prefill pool hands its KV cache to a decode pool "
                                         "when each splits the model's attention heads differently."}]
@@ -33,11 +34,12 @@ CASES = [  # (prefill TP, decode TP, transport as the metrics label it)
 @pytest.fixture(scope="module")
 def expected() -> tuple[str, int]:
     """A TP=1 engine's greedy text for the chat, and the KV bytes of its prompt in the whole model's layout."""
-    llm = LLM(model="tiny", device="cpu", dtype="float32")
+    llm = LLM(WorkerConfig().engine_config())  # as a replica builds it: the float16 KV cache on CPU
     ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
     out = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
     block_size = llm.engine.block_manager.block_size
-    nbytes = layout_of(llm.engine.model_config, llm.engine.config.torch_dtype, block_size).block_nbytes
+    cfg = llm.engine.config
+    nbytes = layout_of(llm.engine.model_config, cfg.torch_dtype, block_size, cfg.cache.kv_cache_dtype).block_nbytes
     assert out.text and len(ids) > 32  # long enough for the router to disaggregate it
     return out.text, -(-len(ids) // block_size) * nbytes
 
