@@ -155,6 +155,9 @@ async def _handoff_bytes(model: str, kv_cache_dtype: str, prompt: list[int], tra
 
 
 def handoff(model: str, prompt: list[int]) -> dict:
+    from pdserve.kvcache.transports.ucx_env import UCXConfig, apply_ucx_env
+
+    apply_ucx_env(UCXConfig())  # before libucx loads: its warnings would go to stdout, ahead of the JSON
     try:
         import ucxx  # noqa: F401
 
