@@ -20,7 +20,7 @@ SMOLLM_LIKE = {**TINY_CONFIG, "num_hidden_layers": 30, "num_key_value_heads": 3,
 ARGS = ["plan", "--model", "tiny", "--memory", "1GiB", "--ttft-ms", "500", "--tpot-ms", "50", "--rate", "10", "--json"]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16", "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype,dtype_bytes", [(torch.float32, 4), (torch.bfloat16, 2)])
 def test_plan_counts_the_bytes_the_pool_holds(kv_cache_dtype, dtype, dtype_bytes):
     config = model_config_from_hf(SMOLLM_LIKE)
