@@ -9,6 +9,7 @@ import torch
 import xxhash
 
 from pdserve.kernels.kv_quant import QUANT_DTYPES, SCALE_DTYPE, SCALE_LAYOUT
+from pdserve.kvcache.quant import value_dtype
 from pdserve.models.config import ModelConfig
 
 
@@ -70,7 +71,7 @@ def model_fingerprint(config: ModelConfig) -> str:
 def layout_of(config: ModelConfig, dtype: torch.dtype, block_size: int, kv_cache_dtype: str = "auto") -> KVLayout:
     """`dtype` is the model dtype; with another `kv_cache_dtype` the values are stored in that instead."""
     quantized = kv_cache_dtype in QUANT_DTYPES
-    stored = QUANT_DTYPES[kv_cache_dtype] if quantized else torch.float16 if kv_cache_dtype == "float16" else dtype
+    stored = value_dtype(dtype, kv_cache_dtype)
     return KVLayout(
         model_fingerprint=model_fingerprint(config),
         dtype=str(stored).removeprefix("torch."),
