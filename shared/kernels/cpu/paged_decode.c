@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #if defined(__F16C__) && defined(__AVX__)
 #include <immintrin.h>
 #define PD_KV_HALF 1
@@ -47,7 +48,113 @@ void pd_store_row(void *cache, int half, int64_t at, const float *src, int64_t c
 #endif
 }
 
+/* Work items: (sequence i, KV head g, piece c of the context), `pieces` per (i, g), enough of them that two
+ * threads or more share a batch of one evenly; a piece reads its keys and values once for the `group` query
+ * heads that share them. */
+#define PD_MIN_PIECE 32
+
+typedef struct {
+    int64_t pieces, per; /* pieces per (i, g) and positions per piece (the last may be shorter or empty) */
+} pd_split;
+
+static pd_split split_of(int64_t len, int64_t items, int threads) {
+    int64_t pieces = items >= 4 * threads ? 1 : (4 * threads + items - 1) / items;
+    int64_t max_pieces = (len + PD_MIN_PIECE - 1) / PD_MIN_PIECE;
+    if (pieces > max_pieces) pieces = max_pieces;
+    if (pieces < 1) pieces = 1;
+    const pd_split sp = {pieces, (len + pieces - 1) / pieces};
+    return sp;
+}
+
+/* One query head over positions [s0, s1): its max m, its sum l of exp(score - m) and o [D], the exp-weighted
+ * sum of values. */
+static void attend_head(const float *qh, int64_t D, const void *k_cache, const void *v_cache, int half,
+                        const int64_t *at, int64_t span, float scale, float *scores, float *row, float *m, float *l,
+                        float *o) {
+    float top = -INFINITY;
+    for (int64_t t = 0; t < span; t++) {
+        const float *key = load_row(k_cache, half, at[t], D, row);
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; d++) dot += qh[d] * key[d];
+        scores[t] = dot * scale;
+        top = scores[t] > top ? scores[t] : top;
+    }
+    float total = 0.0f;
+    for (int64_t t = 0; t < span; t++) {
+        scores[t] = expf(scores[t] - top);
+        total += scores[t];
+    }
+    memset(o, 0, D * sizeof(float));
+    for (int64_t t = 0; t < span; t++) {
+        const float *value = load_row(v_cache, half, at[t], D, row);
+        const float p = scores[t];
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) o[d] += p * value[d];
+    }
+    *m = top;
+    *l = total;
+}
+
+#if defined(__AVX512F__) && PD_KV_HALF
+/* attend_head for D = 16 * ND, q and o held in registers */
+static inline __attribute__((always_inline)) __m512 row16(const void *cache, int half, int64_t at, int c) {
+    if (!half) return _mm512_loadu_ps((const float *)cache + at + 16 * c);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + at + 16 * c)));
+}
+
+static inline __attribute__((always_inline)) void attend_head16(const int ND, const float *qh, const void *k_cache,
+                                                                const void *v_cache, int half, const int64_t *at,
+                                                                int64_t span, float scale, float *scores, float *m,
+                                                                float *l, float *o) {
+    __m512 qv[8], ov[8];
+    for (int c = 0; c < ND; c++) qv[c] = _mm512_loadu_ps(qh + 16 * c), ov[c] = _mm512_setzero_ps();
+    float top = -INFINITY;
+    for (int64_t t = 0; t < span; t++) {
+        __m512 acc = _mm512_mul_ps(qv[0], row16(k_cache, half, at[t], 0));
+        for (int c = 1; c < ND; c++) acc = _mm512_fmadd_ps(qv[c], row16(k_cache, half, at[t], c), acc);
+        scores[t] = _mm512_reduce_add_ps(acc) * scale;
+        top = scores[t] > top ? scores[t] : top;
+    }
+    float total = 0.0f;
+    for (int64_t t = 0; t < span; t++) {
+        scores[t] = expf(scores[t] - top);
+        total += scores[t];
+    }
+    for (int64_t t = 0; t < span; t++) {
+        const __m512 p = _mm512_set1_ps(scores[t]);
+        for (int c = 0; c < ND; c++) ov[c] = _mm512_fmadd_ps(p, row16(v_cache, half, at[t], c), ov[c]);
+    }
+    for (int c = 0; c < ND; c++) _mm512_storeu_ps(o + 16 * c, ov[c]);
+    *m = top;
+    *l = total;
+}
+#define PD_HEAD16(nd) \
+    case nd: attend_head16(nd, qh, k_cache, v_cache, half, at, span, scale, scores, m, l, o); return;
+#endif
+
+static void attend(const float *qh, int64_t D, const void *k_cache, const void *v_cache, int half, const int64_t *at,
+                   int64_t span, float scale, float *scores, float *row, float *m, float *l, float *o) {
+#if defined(__AVX512F__) && PD_KV_HALF
+    if (D % 16 == 0) switch (D / 16) { PD_HEAD16(1) PD_HEAD16(2) PD_HEAD16(4) PD_HEAD16(6) PD_HEAD16(8) }
+#endif
+    attend_head(qh, D, k_cache, v_cache, half, at, span, scale, scores, row, m, l, o);
+}
+
+/* One piece, positions [s0, s1) of a sequence, for the `group` query heads of KV head g: per head j its
+ * max m[j], sum l[j] and o[j] [D] (attend_head); `at` [s1 - s0] takes the rows' offsets. */
+static void attend_piece(const float *q, int64_t D, int64_t group, const void *k_cache, const void *v_cache,
+                         int half, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t g,
+                         const int64_t *table, int64_t s0, int64_t s1, float scale, float *scores, float *row,
+                         int64_t *at, float *m, float *l, float *o) {
+    for (int64_t s = s0; s < s1; s++)
+        at[s - s0] = table[s / block_size] * block_stride + (s % block_size) * token_stride + g * D;
+    for (int64_t j = 0; j < group; j++)
+        attend(q + j * D, D, k_cache, v_cache, half, at, s1 - s0, scale, scores, row, m + j, l + j, o + j * D);
+}
+
 /* out[i, h] = softmax_s(scale * q[i, h] . k[i, s]) @ v[i, s] over s < context_lens[i]; q, out [n, H, D].
+ * Long contexts of a small batch are split into pieces (split_of) whose partial softmaxes are merged.
  * Returns -1 (nothing computed) when a context outruns its table or a block id is outside the cache. */
 int pd_paged_decode(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D, const void *k_cache,
                     const void *v_cache, int half, int64_t num_blocks, int64_t block_size, int64_t block_stride,
@@ -55,58 +162,65 @@ int pd_paged_decode(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D
                     int64_t table_width, const int64_t *context_lens, float scale, float *out) {
     const int64_t group = H / Hkv, token_stride = Hkv * D;
     if (half && !PD_KV_HALF) return -1;
+    int64_t max_len = 0;
     for (int64_t i = 0; i < n; i++) {
         const int64_t len = context_lens[i];
         if (len < 1 || len > table_width * block_size) return -1;
         for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++)
             if (block_tables[i * table_width + b] < 0 || block_tables[i * table_width + b] >= num_blocks) return -1;
+        max_len = len > max_len ? len : max_len;
     }
+    const int threads = omp_get_max_threads();
+    const pd_split most = split_of(max_len, n * Hkv, threads);
+    const int64_t items = n * Hkv * most.pieces, width = group * (D + 2); /* a piece's partial: m, l, o per head */
+    float *partial = malloc(items * width * sizeof(float));
+    if (partial == NULL) return -1;
 #pragma omp parallel
     {
-        float *scores = NULL, *row = malloc(D * sizeof(float));
-        int64_t capacity = 0;
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t h = 0; h < H; h++) {
-                const int64_t len = context_lens[i], kv_head = h / group;
-                const int64_t *table = block_tables + i * table_width;
-                if (len > capacity) {
-                    free(scores);
-                    capacity = len;
-                    scores = malloc(capacity * sizeof(float));
-                }
-                const float *qh = q + (i * H + h) * D;
-                float top = -INFINITY;
-                for (int64_t s = 0; s < len; s++) {
-                    const float *key = load_row(k_cache, half, table[s / block_size] * block_stride
-                                                + (s % block_size) * token_stride + kv_head * D, D, row);
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qh[d] * key[d];
-                    scores[s] = dot * scale;
-                    top = scores[s] > top ? scores[s] : top;
-                }
-                float total = 0.0f;
-                for (int64_t s = 0; s < len; s++) {
-                    scores[s] = expf(scores[s] - top);
-                    total += scores[s];
-                }
-                float *o = out + (i * H + h) * D;
-                memset(o, 0, D * sizeof(float));
-                for (int64_t s = 0; s < len; s++) {
-                    const float *value = load_row(v_cache, half, table[s / block_size] * block_stride
-                                                  + (s % block_size) * token_stride + kv_head * D, D, row);
-                    const float p = scores[s];
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) o[d] += p * value[d];
-                }
-                const float inv = 1.0f / total;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        /* a piece of any sequence spans at most max(most.per, PD_MIN_PIECE) positions */
+        const int64_t span = most.per > PD_MIN_PIECE ? most.per : PD_MIN_PIECE;
+        float *scores = malloc(span * sizeof(float)), *row = malloc(D * sizeof(float));
+        int64_t *at = malloc(span * sizeof(int64_t));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < items; t++) {
+            const int64_t i = t / (Hkv * most.pieces), g = t / most.pieces % Hkv, c = t % most.pieces;
+            const pd_split sp = split_of(context_lens[i], n * Hkv, threads);
+            float *m = partial + t * width, *l = m + group, *o = l + group;
+            const int64_t s0 = c * sp.per, s1 = s0 + sp.per < context_lens[i] ? s0 + sp.per : context_lens[i];
+            if (c >= sp.pieces || s0 >= s1) {
+                for (int64_t j = 0; j < group; j++) m[j] = -INFINITY, l[j] = 0.0f;
+                continue;
             }
+            attend_piece(q + (i * H + g * group) * D, D, group, k_cache, v_cache, half, block_size, block_stride,
+                         token_stride, g, block_tables + i * table_width, s0, s1, scale, scores, row, at, m, l, o);
+        }
+#pragma omp for schedule(static)
+        for (int64_t ih = 0; ih < n * H; ih++) {
+            const int64_t i = ih / H, h = ih % H, g = h / group, j = h % group;
+            const float *first = partial + (i * Hkv + g) * most.pieces * width;
+            float top = -INFINITY, total = 0.0f, *dst = out + ih * D;
+            for (int64_t c = 0; c < most.pieces; c++) {
+                const float mc = first[c * width + j];
+                top = mc > top ? mc : top;
+            }
+            memset(dst, 0, D * sizeof(float));
+            for (int64_t c = 0; c < most.pieces; c++) {
+                const float *pm = first + c * width, *o = pm + 2 * group + j * D;
+                if (pm[j] == -INFINITY) continue;
+                const float w = expf(pm[j] - top);
+                total += pm[group + j] * w;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) dst[d] += w * o[d];
+            }
+            const float inv = 1.0f / total;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) dst[d] *= inv;
+        }
         free(scores);
         free(row);
+        free(at);
     }
+    free(partial);
     return 0;
 }
 

@@ -58,6 +58,31 @@ def test_decode_attention_matches_torchs_path(monkeypatch, heads: int, lens: lis
     assert (native - reference).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("lens", [[300], [5, 130], [33, 32, 64], [1, 500]])
+def test_contexts_split_across_threads_merge_to_torchs_result(monkeypatch, lens: list[int], threads: int) -> None:
+    """A small batch's long contexts are cut into pieces, as many as the threads call for, and their partial
+    softmaxes merged: any thread count, and sequences cut into different numbers of pieces, give torch's
+    result."""
+    k_cache, v_cache = _caches(threads, "pool", torch.float32)
+    gen = torch.Generator().manual_seed(sum(lens))
+    width = max((n + BLOCK - 1) // BLOCK for n in lens)
+    tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=gen)[:width] for _ in lens])
+    q = torch.randn(len(lens), 9, HEAD_DIM, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native = paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), HEAD_DIM**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    group = DecodeGroup(0, tables, torch.tensor(lens), max(lens))
+    meta = AttentionMetadata(slot_mapping=torch.arange(len(lens)), num_decode_tokens=len(lens),
+                             decode_groups=(group,), prefills=())
+    monkeypatch.setenv(cpu_native.KERNEL_ENV, "torch")
+    reference = decode_attention(q, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    assert (native - reference).abs().max() < 1e-5
+
+
 def test_two_groups_fill_their_own_rows() -> None:
     k_cache, v_cache = _caches(0)
     q = torch.randn(3, 9, HEAD_DIM)
