@@ -3,11 +3,13 @@ a chat request, and its output names what each replica serves and the configured
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pdserve.kernels import cpu_quant
@@ -19,10 +21,26 @@ from test_serve_cli import _serving  # noqa: E402
 pytest.importorskip("ray")
 
 
-def test_serve_serves_the_gguf_as_stored_by_default_and_says_what_it_serves(tmp_path):
+def _replica_env(serve: psutil.Process) -> dict[str, dict[str, str]]:
+    """{deployment: its replica's environment} for the Serve replicas `pdserve serve` started."""
+    found = {}
+    for child in serve.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            title = " ".join(child.cmdline())
+            if title.startswith("ray::ServeReplica:pdserve:"):
+                found[title.split(":")[-1].split()[0]] = child.environ()
+    return found
+
+
+def test_serve_serves_the_gguf_as_stored_by_default_and_says_what_it_serves(tmp_path, monkeypatch):
     port = listen_port()
     log = tmp_path / "serve.log"
-    with _serving(log, "--port", str(port), "--grpc-port", "0"):
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    with _serving(log, "--port", str(port), "--grpc-port", "0") as proc:
+        replicas = _replica_env(psutil.Process(proc.pid))
+        assert set(replicas) == {"router", "prefill", "decode", "kvstore"}, replicas.keys()
+        # two malloc arenas a process in every replica (pdserve.runtime.serve_env)
+        assert all(env.get("MALLOC_ARENA_MAX") == "2" for env in replicas.values())
         body = json.dumps({"model": "smollm2-135m-instruct", "max_tokens": 12, "temperature": 0,
                            "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
