@@ -19,7 +19,7 @@ measures Serve's defaults).
 
 glibc's malloc gives threads arenas of their own, up to eight per core, and a Ray worker runs tens of
 threads: after a load, partly used arenas held about 40 MiB more across `make serve`'s processes than with
-two arenas a process (`MALLOC_ARENA_MAX=2`, three alternating pairs: 1,922-1,938 MiB in all against
+two arenas a process (`MALLOC_ARENA_MAX=2`, three alternating pairs: 1,920-1,938 MiB in all against
 1,887-1,890). A value the user has set is kept.
 
 The settings are environment variables read when Serve's modules load, so they must be in the
