@@ -49,8 +49,8 @@ void pd_store_row(void *cache, int half, int64_t at, const float *src, int64_t c
 }
 
 /* Work items: (sequence i, KV head g, piece c of the context), `pieces` per (i, g), enough of them that two
- * threads or more share a batch of one evenly; a piece reads its keys and values once for the `group` query
- * heads that share them. */
+ * threads or more share a batch of one evenly; an item runs the `group` query heads that share KV head g
+ * over the same rows, one head after another (the piece's rows stay in L1/L2 between heads). */
 #define PD_MIN_PIECE 32
 
 typedef struct {
