@@ -129,6 +129,26 @@ def test_every_pod_has_the_serve_settings_pdserve_serve_uses(render, name):
         assert BASE_ENV.items() <= env.items(), env
 
 
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_every_pod_keeps_the_malloc_arenas_pdserve_serve_keeps(render, name):
+    from pdserve.runtime.serve_env import MALLOC_ARENA_MAX
+
+    assert str(yaml.safe_load((CHART / "values.yaml").read_text())["serve"]["mallocArenaMax"]) == MALLOC_ARENA_MAX
+    for template in _pod_templates(_rayservice(render(EXAMPLES[name]))):
+        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
+        assert env["MALLOC_ARENA_MAX"] == MALLOC_ARENA_MAX, env
+
+
+def test_malloc_arenas_zero_leaves_glibcs_default_and_a_negative_count_is_refused(helm):
+    text = subprocess.run([helm, "template", "pdserve", str(CHART), "--set", "serve.mallocArenaMax=0"],
+                          capture_output=True, text=True, check=True).stdout
+    for template in _pod_templates(_rayservice([d for d in yaml.safe_load_all(text) if d])):
+        assert "MALLOC_ARENA_MAX" not in {e["name"] for e in template["spec"]["containers"][0]["env"]}
+    result = subprocess.run([helm, "template", "pdserve", str(CHART), "--set", "serve.mallocArenaMax=-1"],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "mallocArenaMax" in result.stderr, result.stderr
+
+
 def test_serve_settings_can_be_overridden_and_only_ray_names_are_taken(helm):
     text = subprocess.run([helm, "template", "pdserve", str(CHART), "--set-string",
                            "serve.env.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1"],

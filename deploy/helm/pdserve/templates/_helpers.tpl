@@ -62,7 +62,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $m.file -}}{{ printf "%s/%s" $base $m.file }}{{- else -}}{{ $base }}{{- end -}}
 {{- end -}}
 
-{{/* Env shared by every pod: the pod IP the UCX listener advertises, Serve's settings, OTEL_*, the API key file, the Redis password, extraEnv. */}}
+{{/* Env shared by every pod: the pod IP the UCX listener advertises, Serve's settings, MALLOC_ARENA_MAX, OTEL_*, the API key file, the Redis password, extraEnv. */}}
 {{- define "pdserve.commonEnv" -}}
 - name: PDSERVE_UCX_HOST
   valueFrom:
@@ -71,6 +71,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- range $k, $v := .Values.serve.env }}
 - name: {{ $k }}
   value: {{ $v | quote }}
+{{- end }}
+{{- if .Values.serve.mallocArenaMax }}
+- name: MALLOC_ARENA_MAX
+  value: {{ .Values.serve.mallocArenaMax | quote }}
 {{- end }}
 {{- range $k, $v := .Values.otel.env }}
 - name: {{ $k }}
