@@ -66,6 +66,16 @@ static pd_split split_of(int64_t len, int64_t items, int threads) {
     return sp;
 }
 
+/* scores[t] <- exp(scores[t] - top); returns their sum */
+static inline float exp_sum(float *scores, int64_t span, float top) {
+    float total = 0.0f;
+    for (int64_t t = 0; t < span; t++) {
+        scores[t] = expf(scores[t] - top);
+        total += scores[t];
+    }
+    return total;
+}
+
 /* One query head over positions [s0, s1): its max m, its sum l of exp(score - m) and o [D], the exp-weighted
  * sum of values. */
 static void attend_head(const float *qh, int64_t D, const void *k_cache, const void *v_cache, int half,
@@ -80,11 +90,7 @@ static void attend_head(const float *qh, int64_t D, const void *k_cache, const v
         scores[t] = dot * scale;
         top = scores[t] > top ? scores[t] : top;
     }
-    float total = 0.0f;
-    for (int64_t t = 0; t < span; t++) {
-        scores[t] = expf(scores[t] - top);
-        total += scores[t];
-    }
+    const float total = exp_sum(scores, span, top);
     memset(o, 0, D * sizeof(float));
     for (int64_t t = 0; t < span; t++) {
         const float *value = load_row(v_cache, half, at[t], D, row);
@@ -116,11 +122,7 @@ static inline __attribute__((always_inline)) void attend_head16(const int ND, co
         scores[t] = _mm512_reduce_add_ps(acc) * scale;
         top = scores[t] > top ? scores[t] : top;
     }
-    float total = 0.0f;
-    for (int64_t t = 0; t < span; t++) {
-        scores[t] = expf(scores[t] - top);
-        total += scores[t];
-    }
+    const float total = exp_sum(scores, span, top);
     for (int64_t t = 0; t < span; t++) {
         const __m512 p = _mm512_set1_ps(scores[t]);
         for (int c = 0; c < ND; c++) ov[c] = _mm512_fmadd_ps(p, row16(v_cache, half, at[t], c), ov[c]);
