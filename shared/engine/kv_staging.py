@@ -171,8 +171,10 @@ class StagedImports:
     async def _drop(self, st: StagedImport) -> None:
         st.ended = st.dropped = True
         st.changed.set()  # a tail waiting on it stops waiting
-        if st.reserving is not None and st.lease is None and st.in_flight == 0:
-            try:  # a part cancelled while it waited for the reservation
+        if st.reserving is not None and st.lease is None:
+            # the reservation is still to come: a part waiting for it may be cancelled before it comes,
+            # so the drop waits for it too; whichever ends last with no pull in flight releases it
+            try:
                 st.lease = await asyncio.shield(st.reserving)
             except MemoryError:
                 pass

@@ -115,3 +115,37 @@ def test_a_prefill_stream_closed_early_leaves_no_lease_behind(engines):
         await a.release_lease(first.kv_part.lease_id)  # the part it did read is its reader's to end
         assert _whole(a)
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("order", ["drop_then_cancel", "cancel_then_drop"])
+def test_a_part_cancelled_while_its_reservation_waits_leaves_no_lease(engines, order):
+    """The router abandons a request (it cancels the part in flight and drops what decode staged) while the
+    part still waits for its reservation (the engine's lock, held by a step): the reservation, granted
+    afterwards, is released at once rather than at its lease's expiry, in either order of the two."""
+    async def main():
+        a, b, _ = engines
+        exporter, importer = _pair(a, b)
+        staging = StagedImports(b, importer.transport)
+        parts, _, handoff = await _prefill_in_parts(a, exporter, f"p-{order}")
+        async with b._lock:  # a step is running: the reservation waits
+            staging_part = asyncio.create_task(staging.stage("r", parts[0]))
+            await asyncio.sleep(0.01)
+            assert not staging_part.done() and not b.engine.leases.leases
+            if order == "drop_then_cancel":
+                dropping = asyncio.create_task(staging.drop("r"))
+                await asyncio.sleep(0.01)
+                staging_part.cancel()
+            else:
+                staging_part.cancel()
+                await asyncio.sleep(0.01)
+                dropping = asyncio.create_task(staging.drop("r"))
+                await asyncio.sleep(0.01)
+        assert await dropping
+        with pytest.raises(asyncio.CancelledError):
+            await staging_part
+        await asyncio.sleep(0.01)
+        for lease_id in [p.params.lease_id for p in parts] + [handoff.lease_id]:
+            exporter.transport.forget(lease_id)
+            await a.release_lease(lease_id)
+        assert _whole(a, b) and len(staging) == 0
+    asyncio.run(main())
