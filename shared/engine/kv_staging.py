@@ -194,8 +194,8 @@ class StagedImports:
         # a buffer must outlive every pull posted on it: released only once none is in flight
         if (st.failure is not None or st.dropped) and st.in_flight == 0 and st.lease is not None \
                 and not st.released:
-            st.released = True
-            await self.engine.release_lease(st.lease.lease_id)
+            st.released = True  # set before the await: shielded, so a cancel cannot leave it held
+            await asyncio.shield(self.engine.release_lease(st.lease.lease_id))
 
     async def _purge(self) -> None:
         now = time.monotonic()

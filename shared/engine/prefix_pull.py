@@ -71,7 +71,8 @@ class PrefixPuller:
             if failure is None:
                 raise
             return PrefixPull(self.block_size, local, failure=failure, error=f"{type(exc).__name__}: {exc}")
-        await self.engine.cache_lease(lease.lease_id, missing)
+        # shielded: a cancel while a step holds the engine would leave the filled lease held until it expires
+        await asyncio.shield(self.engine.cache_lease(lease.lease_id, missing))
         return PrefixPull(self.block_size, local, len(missing))
 
 

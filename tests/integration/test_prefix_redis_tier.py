@@ -87,6 +87,44 @@ def test_pulled_prefix_is_bit_exact_hit_and_decodes_as_recomputed(tiny_dir, redi
     asyncio.run(main())
 
 
+def test_a_pull_cancelled_as_its_blocks_wait_for_the_engine_leaves_no_lease(tiny_dir, redis_server):
+    """The request goes (its client left) just as its pulled blocks wait to enter the prefix cache, while a
+    step holds the engine: they still enter it, and no lease is left to expire."""
+    prompt = _prompt(3, 60)
+
+    async def main():
+        a, b = _engine(tiny_dir), _engine(tiny_dir)
+        await _publish(a, redis_server.url, prompt)
+        pulled = asyncio.Event()
+
+        class StepStartsAsThePullEnds(RedisTransport):
+            async def pull_prefix(self, *args):
+                await super().pull_prefix(*args)
+                await b._lock.acquire()
+                pulled.set()
+
+        transport = StepStartsAsThePullEnds(engine_pool(b), engine_layout(b), None, url=redis_server.url,
+                                            socket_timeout_s=2.0)
+        hashes = prompt_block_hashes(prompt, 16)
+        pulling = asyncio.create_task(PrefixPuller(b, transport).pull(prompt, len(hashes)))
+        await pulled.wait()
+        pulling.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pulling
+        assert b.engine.leases.leases  # the filled lease waits for the engine
+        b._lock.release()
+        await asyncio.sleep(0.05)
+        bm = b.engine.block_manager
+        assert not b.engine.leases.leases and all(h in bm.hash_to_block for h in hashes)
+        assert bm.num_free_blocks == NUM_BLOCKS  # cached, not held
+        _, cached = await _generate(b, "hit", prompt)
+        assert cached == len(hashes) * 16
+        for e in (a, b):
+            await e.close()
+
+    asyncio.run(main())
+
+
 def test_a_corrupt_block_is_refused_and_the_prompt_recomputed(tiny_dir, redis_server):
     prompt = _prompt(2, 60)  # 3 full blocks of 16 can be hit
 

@@ -149,3 +149,25 @@ def test_a_part_cancelled_while_its_reservation_waits_leaves_no_lease(engines, o
             await a.release_lease(lease_id)
         assert _whole(a, b) and len(staging) == 0
     asyncio.run(main())
+
+
+def test_a_drop_cancelled_while_its_release_waits_still_releases(engines):
+    """The router's drop is cancelled (its call cut) while the release waits for a step: it still happens."""
+    async def main():
+        a, b, _ = engines
+        exporter, importer = _pair(a, b)
+        staging = StagedImports(b, importer.transport)
+        parts, _, handoff = await _prefill_in_parts(a, exporter, "p-cancelled-drop")
+        assert await staging.stage("r", parts[0]) and b.engine.leases.leases
+        async with b._lock:
+            dropping = asyncio.create_task(staging.drop("r"))
+            await asyncio.sleep(0.01)
+            dropping.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await dropping
+        await asyncio.sleep(0.01)
+        for lease_id in [p.params.lease_id for p in parts] + [handoff.lease_id]:
+            exporter.transport.forget(lease_id)
+            await a.release_lease(lease_id)
+        assert _whole(a, b) and len(staging) == 0
+    asyncio.run(main())
