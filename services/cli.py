@@ -78,7 +78,7 @@ def _bench(args: argparse.Namespace) -> int:
         from pdserve.bench.engine import run
 
         result = run(quick=args.quick, seed=args.seed, model=args.model, pack_weights=not args.no_pack_weights,
-                     quantization=args.quantization)
+                     quantization=args.quantization, llama_cpp=args.llama_cpp)
     elif args.target == "kernels":
         from pdserve.bench.kernels import run
 
@@ -229,6 +229,9 @@ def _library_parser() -> argparse.ArgumentParser:
                             "the bytes the served weights and the KV cache read")
     bench.add_argument("--model", default=None,
                        help="engine: a model name or path (default: a random 125M Llama built in the cache)")
+    bench.add_argument("--llama-cpp", choices=["auto", "off"], default="auto",
+                       help="engine: llama.cpp's b1 decode on a GGUF model's file, in the same run (auto: when "
+                            "bench peer's scratch venv is there)")
     bench.set_defaults(func=_bench)
     prof = sub.add_parser("profile", help="fit a latency model for plan and the router")
     prof.add_argument("--model", default="tiny")

@@ -3,9 +3,10 @@ bytes it must read.
 
 Each case is a decode batch of `batch` sequences of `context` tokens over a paged pool whose blocks
 are scattered (a random permutation of a pool 4x the batch's need, so the gather misses cache the way
-a busy replica's does). `pdserve_ms` is `pdserve.models.attention.decode_attention`: per KV head,
+a busy replica's does). `pdserve_ms` is `pdserve.models.attention.decode_attention`: the native kernel
+(`pdserve.kernels.cpu_attention`, `engine_path` "native") where its library is built; else, per KV head,
 bmm over the gathered K/V in place, for models with >= BMM_MIN_GROUP_SIZE query heads per KV head
-(`engine_path` "bmm"), else one SDPA call ("sdpa"); the peer `sdpa_ms` gathers the same blocks into the same buffer
+("bmm"), else one SDPA call ("sdpa"). The peer `sdpa_ms` gathers the same blocks into the same buffer
 and calls `F.scaled_dot_product_attention` on the padded batch with a length mask, as the engine did
 before. Both run on the same inputs in the same process, interleaved. The physical reference is the
 K/V bytes a step must read at least once, at the read bandwidth measured in the same run.
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.bench.roofline import read_bandwidth_gb_s
+from pdserve.kernels.cpu_attention import native_cache
 from pdserve.models.attention import BMM_MIN_GROUP_SIZE, AttentionMetadata, DecodeGroup, decode_attention
 from pdserve.models.resolve import resolve_model_path, served_model_name
 
@@ -85,6 +87,14 @@ def _case(batch: int, context: int, shape: tuple[int, int, int], repeats: int, r
             "pdserve_gb_s": round(kv_bytes / pdserve_s / 1e9, 2), "max_abs_diff": max_err}
 
 
+def _engine_path(shape: tuple[int, int, int]) -> str:
+    """The path decode_attention takes for this shape's float32 cache (as `_case` builds it)."""
+    cache = torch.empty(1, BLOCK_SIZE, shape[1], shape[2])
+    if native_cache(cache, cache):
+        return "native"
+    return "bmm" if shape[0] // shape[1] >= BMM_MIN_GROUP_SIZE else "sdpa"
+
+
 def run(model: str | None = None, quick: bool = False, seed: int = 0, threads: int = 1) -> dict:
     model = model or "smollm2-135m-instruct"
     torch.set_num_threads(threads)
@@ -99,7 +109,7 @@ def run(model: str | None = None, quick: bool = False, seed: int = 0, threads: i
     return {
         "bench": "attention", "model": served_model_name(model), "threads": threads,
         "heads": shape[0], "kv_heads": shape[1], "head_dim": shape[2], "block_size": BLOCK_SIZE,
-        "engine_path": "bmm" if shape[0] // shape[1] >= BMM_MIN_GROUP_SIZE else "sdpa",
+        "engine_path": _engine_path(shape),
         "read_bw_gb_s": round(read_bw, 2), "cases": cases,
         "min_speedup_vs_sdpa": min(c["speedup_vs_sdpa"] for c in cases),
         "speedup_vs_sdpa_batched": round(min(c["speedup_vs_sdpa"] for c in cases if c["batch"] > 1), 3),

@@ -11,6 +11,10 @@ the rest of the run is its 127 decode steps (`pdserve_decode_tok_s_b1`). `roofli
 decode steps' rate times the bytes a step reads, over the read bandwidth: how close a memory-bound step comes
 to the bandwidth. `roofline_fraction_b1_end_to_end` counts the whole run instead, the compute-bound prefill
 included. The read bandwidth is measured before the runs and after them; the higher of the two counts.
+
+For a GGUF model, llama.cpp decodes the same b1 request from the same file in the same run, when `pdserve
+bench peer`'s scratch venv is there (pdserve.bench.engine_peer): `llama_cpp_roofline_fraction_b1` is its
+fraction of the same bandwidth, `ratio_decode_b1_llama_cpp` pdserve's decode rate over its.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ import time
 from pathlib import Path
 
 import torch
+from pdserve.bench.engine_peer import gguf_step_weight_bytes, kv_bytes_per_token, llama_cpp_decode_b1
 from pdserve.bench.roofline import gemv_bandwidth_gb_s, read_bandwidth_gb_s
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLM
 from pdserve.engine.model_runner import kv_block_bytes
 from pdserve.models.served import decode_read_bytes
-from pdserve.models.resolve import resolve_model_path, served_model_name
+from pdserve.models.resolve import MODEL_ALIASES, alias_gguf_path, resolve_model_path, served_model_name
 from pdserve.models.tiny import default_cache_dir, ensure_tiny_checkpoint
 from pdserve.sampling_params import SamplingParams
 
@@ -112,8 +117,35 @@ def _hf_run(model, workload: list[tuple[list[int], int]], batch_size: int) -> fl
     return time.perf_counter() - start
 
 
+def _gguf_of(model: str | None) -> Path | None:
+    if model in MODEL_ALIASES:
+        return alias_gguf_path(model)
+    if model is not None and model.endswith(".gguf") and Path(model).expanduser().is_file():
+        return Path(model).expanduser()
+    return None
+
+
+def _llama_cpp_b1(model: str | None, path: Path, prompt: list[int], max_tokens: int, threads: int,
+                  mode: str) -> dict:
+    """llama.cpp's b1 decode on the model's GGUF file, or why it did not run."""
+    from pdserve.bench.peer import DEFAULT_VENV, XLLAMACPP
+
+    gguf = _gguf_of(model)
+    if mode == "off":
+        return {"skipped": "--llama-cpp off"}
+    if gguf is None:
+        return {"skipped": "the model is not a GGUF file"}
+    if not (DEFAULT_VENV / "bin" / "python").exists():
+        return {"skipped": f"no peer venv at {DEFAULT_VENV} (`pdserve bench peer` makes it)"}
+    result = llama_cpp_decode_b1(gguf, DEFAULT_VENV, XLLAMACPP, prompt, max_tokens, threads)
+    config = json.loads((path / "config.json").read_text())
+    read = {"weights": gguf_step_weight_bytes(gguf), "kv": round(kv_bytes_per_token(config) * (len(prompt) + max_tokens / 2))}
+    return {**result, "step_bytes_b1": read["weights"] + read["kv"], "weight_bytes": read["weights"],
+            "kv_read_bytes_b1": read["kv"]}
+
+
 def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weights: bool = True,
-        quantization: str = "none") -> dict:
+        quantization: str = "none", llama_cpp: str = "auto") -> dict:
     import transformers
 
     path = build_bench_model() if model is None else resolve_model_path(model)
@@ -144,6 +176,8 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
     pd_mixed = _pdserve_run(llm, mixed)
     _log(f"pdserve mixed {mixed_tokens / pd_mixed:.1f} tok/s")
     del llm
+    peer = _llama_cpp_b1(model, path, b1[0][0], b1[0][1], threads, llama_cpp)
+    _log(f"llama.cpp b1: {peer}")
     hf_model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     _hf_run(hf_model, [(b1[0][0], 8)], 1)
     hf_b1 = min(_hf_run(hf_model, b1, 1) for _ in range(2))
@@ -155,6 +189,8 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
     mem_bw = max(bw_before, bw_after)
     gemv_bw = gemv_bandwidth_gb_s(weight_bytes)
     pd_b1_tok_s = 128 / pd_b1
+    if "decode_tok_s_b1" in peer:
+        peer["roofline_fraction_b1"] = round(peer["decode_tok_s_b1"] * peer["step_bytes_b1"] / 1e9 / mem_bw, 3)
     return {
         "bench": "engine",
         "model": f"{label} fp32 cpu" + (f" {quantization}" if quantization != "none" else ""),
@@ -179,4 +215,8 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
         "roofline_fraction_b1": round(pd_b1_decode_tok_s * step_bytes / 1e9 / mem_bw, 3),
         "gemv_fraction_b1": round(pd_b1_decode_tok_s * step_bytes / 1e9 / gemv_bw, 3),
         "roofline_fraction_b1_end_to_end": round(pd_b1_tok_s * step_bytes / 1e9 / mem_bw, 3),
+        "llama_cpp": peer,
+        **({"llama_cpp_roofline_fraction_b1": peer["roofline_fraction_b1"],
+            "ratio_decode_b1_llama_cpp": round(pd_b1_decode_tok_s / peer["decode_tok_s_b1"], 3)}
+           if "decode_tok_s_b1" in peer else {}),
     }

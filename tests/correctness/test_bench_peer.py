@@ -50,3 +50,21 @@ def test_bench_peer_prints_both_servers_figures_and_the_ratios():
         result["pdserve"]["ready_cpu"]["by_process"])
     assert result["pdserve"]["settings"]["command"].startswith("pdserve serve")
     assert result["ratio_tok_s_c1"] > 0 and result["ratio_tok_s_c2"] > 0 and result["rss_ratio"] > 0
+
+
+def test_llama_cpp_decodes_the_b1_request_and_reports_its_own_timings():
+    """`pdserve bench engine`'s peer: llama.cpp's server on the default model's GGUF file, one slot, the b1
+    request through its native /completion; the decode rate comes from its timings, every run."""
+    from pdserve.bench.engine_peer import llama_cpp_decode_b1
+    from pdserve.bench.peer import DEFAULT_VENV, XLLAMACPP
+    from pdserve.bench.peer_servers import ensure_peer_venv
+    from pdserve.models.resolve import DEFAULT_MODEL, alias_gguf_path
+
+    try:
+        ensure_peer_venv(DEFAULT_VENV, XLLAMACPP)
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"the llama.cpp peer cannot be installed here: {exc}")
+    result = llama_cpp_decode_b1(alias_gguf_path(DEFAULT_MODEL), DEFAULT_VENV, XLLAMACPP, list(range(1000, 1064)),
+                                 16, threads=1, repeats=2)
+    assert len(result["decode_tok_s_runs"]) == 2 and result["decode_tok_s_b1"] == max(result["decode_tok_s_runs"]) > 0
+    assert result["prefill_ms_b1"] > 0 and result["threads"] == 1 and result["package"] == XLLAMACPP

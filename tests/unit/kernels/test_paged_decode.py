@@ -127,6 +127,8 @@ def test_bench_attention_prints_both_paths_as_json():
                          capture_output=True, text=True, timeout=300, check=True).stdout
     result = json.loads(out)
     assert result["bench"] == "attention" and result["read_bw_gb_s"] > 0
+    from pdserve.kernels.cpu_attention import library
+    assert result["engine_path"] == ("native" if library() is not None else "sdpa")  # tiny: 2 query heads a KV head
     assert [(c["batch"], c["context"]) for c in result["cases"]][:2] == [(1, 512), (1, 1500)]
     for case in result["cases"]:
         assert case["pdserve_ms"] > 0 and case["sdpa_ms"] > 0 and case["kv_bytes"] > 0
