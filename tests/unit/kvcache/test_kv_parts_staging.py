@@ -32,6 +32,13 @@ async def _prefill_in_parts(engine, exporter, request_id: str, prompt=PROMPT):
     raise AssertionError("no final delta")
 
 
+async def _end_exports(engine, exporter, parts, handoff) -> None:
+    """What nobody pulled, prefill frees (the router aborts those leases)."""
+    for lease_id in [p.params.lease_id for p in parts] + [handoff.lease_id]:
+        exporter.transport.forget(lease_id)
+        await engine.release_lease(lease_id)
+
+
 def _whole(*engines) -> bool:
     return all(_free(e) == NUM_BLOCKS and not e.engine.leases.leases for e in engines)
 
@@ -144,9 +151,7 @@ def test_a_part_cancelled_while_its_reservation_waits_leaves_no_lease(engines, o
         with pytest.raises(asyncio.CancelledError):
             await staging_part
         await asyncio.sleep(0.01)
-        for lease_id in [p.params.lease_id for p in parts] + [handoff.lease_id]:
-            exporter.transport.forget(lease_id)
-            await a.release_lease(lease_id)
+        await _end_exports(a, exporter, parts, handoff)
         assert _whole(a, b) and len(staging) == 0
     asyncio.run(main())
 
@@ -166,8 +171,6 @@ def test_a_drop_cancelled_while_its_release_waits_still_releases(engines):
             with pytest.raises(asyncio.CancelledError):
                 await dropping
         await asyncio.sleep(0.01)
-        for lease_id in [p.params.lease_id for p in parts] + [handoff.lease_id]:
-            exporter.transport.forget(lease_id)
-            await a.release_lease(lease_id)
+        await _end_exports(a, exporter, parts, handoff)
         assert _whole(a, b) and len(staging) == 0
     asyncio.run(main())
