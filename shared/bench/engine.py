@@ -125,7 +125,7 @@ def _gguf_of(model: str | None) -> Path | None:
     return None
 
 
-def _llama_cpp_b1(model: str | None, path: Path, prompt: list[int], max_tokens: int, threads: int,
+def _llama_cpp_b1(model: str | None, config: dict, prompt: list[int], max_tokens: int, threads: int,
                   mode: str) -> dict:
     """llama.cpp's b1 decode on the model's GGUF file, or why it did not run."""
     from pdserve.bench.peer import DEFAULT_VENV, XLLAMACPP
@@ -138,10 +138,9 @@ def _llama_cpp_b1(model: str | None, path: Path, prompt: list[int], max_tokens: 
     if not (DEFAULT_VENV / "bin" / "python").exists():
         return {"skipped": f"no peer venv at {DEFAULT_VENV} (`pdserve bench peer` makes it)"}
     result = llama_cpp_decode_b1(gguf, DEFAULT_VENV, XLLAMACPP, prompt, max_tokens, threads)
-    config = json.loads((path / "config.json").read_text())
-    read = {"weights": gguf_step_weight_bytes(gguf), "kv": round(kv_bytes_per_token(config) * (len(prompt) + max_tokens / 2))}
-    return {**result, "step_bytes_b1": read["weights"] + read["kv"], "weight_bytes": read["weights"],
-            "kv_read_bytes_b1": read["kv"]}
+    weights = gguf_step_weight_bytes(gguf)
+    kv = round(kv_bytes_per_token(config) * (len(prompt) + max_tokens / 2))  # at the b1 run's mean context
+    return {**result, "step_bytes_b1": weights + kv, "weight_bytes": weights, "kv_read_bytes_b1": kv}
 
 
 def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weights: bool = True,
@@ -153,7 +152,8 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
     threads = torch.get_num_threads()
     _log(f"model {label} at {path}, {threads} threads; HF loads the same directory")
     b1 = [(list(range(1000, 1256)), 128)]
-    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    config = json.loads((path / "config.json").read_text())
+    vocab_size = config["vocab_size"]
     mixed = mixed_workload(seed, 16 if quick else 64, vocab_size)
     llm = LLM(EngineConfig(
         model=str(path), device="cpu", dtype="float32",
@@ -176,7 +176,7 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
     pd_mixed = _pdserve_run(llm, mixed)
     _log(f"pdserve mixed {mixed_tokens / pd_mixed:.1f} tok/s")
     del llm
-    peer = _llama_cpp_b1(model, path, b1[0][0], b1[0][1], threads, llama_cpp)
+    peer = _llama_cpp_b1(model, config, b1[0][0], b1[0][1], threads, llama_cpp)
     _log(f"llama.cpp b1: {peer}")
     hf_model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     _hf_run(hf_model, [(b1[0][0], 8)], 1)

@@ -10,11 +10,11 @@ reads whole as its output layer, plus the float16 K/V (llama.cpp's default cache
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench.peer_servers import LlamaCppServer
+from pdserve.runtime.ports import listen_port
 
 KV_CACHE_BYTES = 2  # llama.cpp's default cache type, f16
 
@@ -35,18 +35,12 @@ def kv_bytes_per_token(config: dict[str, Any]) -> int:
     return 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * KV_CACHE_BYTES
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def llama_cpp_decode_b1(gguf: Path, venv: Path, requirement: str, prompt: list[int], max_tokens: int,
                         threads: int, repeats: int = 2) -> dict[str, Any]:
     """The best of `repeats` b1 runs: llama.cpp's decode tok/s and prefill ms from its own timings."""
     import httpx
 
-    server = LlamaCppServer(venv, requirement, gguf, _free_port(), threads, 1)
+    server = LlamaCppServer(venv, requirement, gguf, listen_port(), threads, 1)
     body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "cache_prompt": False}
     runs = []
