@@ -116,6 +116,20 @@ static inline __attribute__((always_inline)) __m512 weight_scales(const qweight 
     return _mm512_broadcast_f32x2(two);
 }
 
+/* Rows PREFETCH_ROWS ahead of the one being read are requested explicitly: a decode step's matrices are
+ * 0.2-1 MB, each thread streams its half once per call, and the hardware prefetchers' ramp on so short a
+ * stream left a batch-1 step's linears at about half the read bandwidth (a batch-1 decode of the default
+ * model ran 1.2x faster with it, the same tokens). Hints past the matrix's end are harmless. */
+#define PREFETCH_ROWS 16
+
+static inline __attribute__((always_inline)) void prefetch_row(const qweight *w, int64_t n) {
+    const int64_t groups = w->K / w->group, elem = w->half ? 2 : 4;
+    const char *row = (const char *)w->packed + n * row_bytes(w);
+    for (int64_t off = 0; off < row_bytes(w); off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+    _mm_prefetch((const char *)w->scale + n * groups * elem, _MM_HINT_T0);
+    _mm_prefetch((const char *)w->offset + n * groups * elem, _MM_HINT_T0);
+}
+
 /* acc[m] += pair p of one output channel (codes c) against MT input rows */
 static inline __attribute__((always_inline)) void pair_dot(const int MT, __m512i c, __m512 d, int64_t p,
                                                            const int8_t *xh, const int8_t *xl, const float *s256,
@@ -141,6 +155,7 @@ static inline __attribute__((always_inline)) void tile(const int NT, const int M
     for (int i = 0; i < NT; i++) {
         const uint8_t *row = w->packed + (n0 + i) * row_bytes(w);
         const void *sc = (const char *)w->scale + (n0 + i) * groups * elem;
+        prefetch_row(w, n0 + i + PREFETCH_ROWS);
         if (w->bits == 8) {
             for (int64_t p = 0; p < pairs; p++)
                 pair_dot(MT, _mm512_loadu_si512(row + p * 64), weight_scales(w, sc, p), p, xh, xl, s256, K, acc[i]);
