@@ -7,9 +7,10 @@ and the KV cache actually read per decode step.
 
 The b1 run is one request (256 prompt tokens, 128 output tokens). `pdserve_tok_s_b1` is its 128 tokens over
 the whole run, the prefill included; the same prompt with one output token, timed alone, is the prefill, and
-the rest of the run is its 127 decode steps (`pdserve_decode_tok_s_b1`). `roofline_fraction_b1` is those
-decode steps' rate times the bytes a step reads, over the read bandwidth: how close a memory-bound step comes
-to the bandwidth. `roofline_fraction_b1_end_to_end` counts the whole run instead, the compute-bound prefill
+the rest of the run is its 127 decode steps (`pdserve_decode_tok_s_b1`); `decode_split_b1` says where one of
+them goes (pdserve.bench.engine_split). `roofline_fraction_b1` is the decode steps' rate times the bytes a
+step reads, over the read bandwidth: how close a memory-bound step comes to the bandwidth.
+`roofline_fraction_b1_end_to_end` counts the whole run instead, the compute-bound prefill
 included. The read bandwidth is measured before the runs and after them; the higher of the two counts.
 
 For a GGUF model, llama.cpp decodes the same b1 request from the same file in the same run, when `pdserve
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 from pdserve.bench.engine_peer import gguf_step_weight_bytes, kv_bytes_per_token, llama_cpp_decode_b1
+from pdserve.bench.engine_split import decode_step_split
 from pdserve.bench.roofline import gemv_bandwidth_gb_s, read_bandwidth_gb_s
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLM
@@ -172,6 +174,8 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
     pd_b1_decode_tok_s = (b1[0][1] - 1) / max(pd_b1 - pd_b1_prefill, 1e-9)
     _log(f"pdserve b1 {128 / pd_b1:.1f} tok/s; prefill {pd_b1_prefill * 1e3:.0f} ms, "
          f"decode {pd_b1_decode_tok_s:.1f} tok/s")
+    split = decode_step_split(llm, b1[0][0], b1[0][1], read["kv"])
+    _log(f"b1 decode step split: {split}")
     mixed_tokens = sum(n for _, n in mixed)
     pd_mixed = _pdserve_run(llm, mixed)
     _log(f"pdserve mixed {mixed_tokens / pd_mixed:.1f} tok/s")
@@ -215,6 +219,7 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
         "roofline_fraction_b1": round(pd_b1_decode_tok_s * step_bytes / 1e9 / mem_bw, 3),
         "gemv_fraction_b1": round(pd_b1_decode_tok_s * step_bytes / 1e9 / gemv_bw, 3),
         "roofline_fraction_b1_end_to_end": round(pd_b1_tok_s * step_bytes / 1e9 / mem_bw, 3),
+        "decode_split_b1": split,
         "llama_cpp": peer,
         **({"llama_cpp_roofline_fraction_b1": peer["roofline_fraction_b1"],
             "ratio_decode_b1_llama_cpp": round(pd_b1_decode_tok_s / peer["decode_tok_s_b1"], 3)}
