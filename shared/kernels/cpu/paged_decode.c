@@ -66,14 +66,44 @@ static pd_split split_of(int64_t len, int64_t items, int threads) {
     return sp;
 }
 
+#if defined(__AVX512F__) && PD_KV_HALF
+/* e^x in 16 lanes, for the x <= 0 of softmax scores less their max: x = n ln2 + r, |r| <= ln2 / 2 (ln2 in two
+ * parts), e^r by its Taylor polynomial to r^7 (truncation under 2^-27), times 2^n (scalef; 0 past e^-104,
+ * below float32's least subnormal). About 1 ulp from libm's expf; libm's scalar calls cost a b1 decode step
+ * of the default model ~0.17 ms of its ~0.75 ms of attention. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+    static const float taylor[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(taylor[0]);
+    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[i]));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
 /* scores[t] <- exp(scores[t] - top); returns their sum */
 static inline float exp_sum(float *scores, int64_t span, float top) {
+#if defined(__AVX512F__) && PD_KV_HALF
+    const __m512 vtop = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < span; t += 16) {
+        const __mmask16 k = span - t >= 16 ? 0xFFFF : (__mmask16)((1u << (span - t)) - 1);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, scores + t), vtop));
+        _mm512_mask_storeu_ps(scores + t, k, e);
+        sum = _mm512_mask_add_ps(sum, k, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+#else
     float total = 0.0f;
     for (int64_t t = 0; t < span; t++) {
         scores[t] = expf(scores[t] - top);
         total += scores[t];
     }
     return total;
+#endif
 }
 
 /* One query head over positions [s0, s1): its max m, its sum l of exp(score - m) and o [D], the exp-weighted
