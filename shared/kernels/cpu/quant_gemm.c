@@ -116,10 +116,11 @@ static inline __attribute__((always_inline)) __m512 weight_scales(const qweight 
     return _mm512_broadcast_f32x2(two);
 }
 
-/* Rows PREFETCH_ROWS ahead of the one being read are requested explicitly: a decode step's matrices are
- * 0.2-1 MB, each thread streams its half once per call, and the hardware prefetchers' ramp on so short a
- * stream left a batch-1 step's linears at about half the read bandwidth (a batch-1 decode of the default
- * model ran 1.2x faster with it, the same tokens). Hints past the matrix's end are harmless. */
+/* At one row, the rows PREFETCH_ROWS ahead of those being read are requested explicitly: a decode step's
+ * matrices are 0.2-1 MB, each thread streams its half once per call, and the hardware prefetchers' ramp on
+ * so short a stream left a batch-1 step's linears at about half the read bandwidth (a batch-1 decode of the
+ * default model ran 1.2x faster with it, the same tokens; the multi-row path, compute-bound, showed no
+ * change beyond this VM's noise either way and is left without). Hints past the matrix's end are harmless. */
 #define PREFETCH_ROWS 16
 
 static inline __attribute__((always_inline)) void prefetch_row(const qweight *w, int64_t n) {
@@ -155,7 +156,6 @@ static inline __attribute__((always_inline)) void tile(const int NT, const int M
     for (int i = 0; i < NT; i++) {
         const uint8_t *row = w->packed + (n0 + i) * row_bytes(w);
         const void *sc = (const char *)w->scale + (n0 + i) * groups * elem;
-        prefetch_row(w, n0 + i + PREFETCH_ROWS);
         if (w->bits == 8) {
             for (int64_t p = 0; p < pairs; p++)
                 pair_dot(MT, _mm512_loadu_si512(row + p * 64), weight_scales(w, sc, p), p, xh, xl, s256, K, acc[i]);
@@ -199,6 +199,7 @@ void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, 
     if (M == 1) {
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n += NT_MAX) {
+            for (int i = 0; i < NT_MAX; i++) prefetch_row(&w, n + i + PREFETCH_ROWS);
             if (n + NT_MAX <= N)
                 tile(NT_MAX, 1, &w, xh, xl, s256, gsum, n, y, N);
             else
