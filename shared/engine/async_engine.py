@@ -43,10 +43,17 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        async with aclosing(self.generate_batches(request)) as batches:
-            async for batch in batches:
-                for delta in batch:
-                    yield delta
+        unread: list[TokenDelta] = []  # the current batch's deltas not yet handed out
+        try:
+            async with aclosing(self.generate_batches(request)) as batches:
+                async for batch in batches:
+                    unread = list(batch)
+                    while unread:
+                        yield unread.pop(0)
+        finally:
+            # closed mid-batch: the leases of the deltas nobody will read (KV parts, a handoff) end here
+            for lease_id in _lease_ids(unread):
+                await asyncio.shield(self.release_lease(lease_id))
 
     async def generate_batches(
         self, request: GenerationRequest, interval_s: float = 0.0
@@ -96,9 +103,8 @@ class AsyncLLMEngine:
                 # abort cut short leaves the request decoding for nobody until max_tokens
                 await asyncio.shield(self.abort(request.request_id))
                 # leases the engine handed out in deltas nobody read (KV parts, a handoff) end with them
-                unread = [d for d in _drain(queue) if isinstance(d, TokenDelta)]
-                for lease in [d.kv_part or d.kv_handoff for d in unread if d.kv_part or d.kv_handoff]:
-                    await asyncio.shield(self.release_lease(lease.lease_id))
+                for lease_id in _lease_ids([d for d in _drain(queue) if isinstance(d, TokenDelta)]):
+                    await asyncio.shield(self.release_lease(lease_id))
 
     async def abort(self, request_id: str) -> bool:
         async with self._lock:
@@ -214,3 +220,8 @@ def _drain(queue: asyncio.Queue) -> list:
     while not queue.empty():
         items.append(queue.get_nowait())
     return items
+
+
+def _lease_ids(deltas: list[TokenDelta]) -> list[str]:
+    """The leases the engine handed out in these deltas: a KV part's or a prefill's handoff."""
+    return [(d.kv_part or d.kv_handoff).lease_id for d in deltas if d.kv_part or d.kv_handoff]

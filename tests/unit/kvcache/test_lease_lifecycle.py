@@ -119,3 +119,27 @@ def test_handoff_secret_round_trips_but_never_shows():
     assert HandoffParams.from_dict(params.to_dict()) == params
     assert "s" * 32 not in repr(params) and "s" * 32 not in str(params)
 
+
+
+def test_a_stream_closed_mid_batch_frees_the_leases_it_never_handed_out(tiny_dir):
+    """A prefill in KV parts yields a part a step; a reader away for a few steps (exporting a part) finds
+    the rest waiting and takes them as one batch: parts and the handoff, each under its own lease. Closed
+    after the batch's first delta (the router gone), the stream must free the leases of the deltas it never
+    handed out, not leave them to the leases' 30 s expiry."""
+
+    async def main():
+        a = _engine(tiny_dir)
+        request = GenerationRequest("parts", tuple(range(40, 140)), GREEDY, prefill_only=True, kv_part_tokens=16)
+        stream = a.generate(request)
+        read = [await anext(stream)]
+        await _until(lambda: not a.engine.requests, 10.0)  # every other delta now waits in the stream
+        read.append(await anext(stream))
+        assert all(d.kv_part is not None for d in read)
+        await stream.aclose()
+        for delta in read:  # the leases this reader took
+            await a.release_lease(delta.kv_part.lease_id)
+        await _until(lambda: not a.engine.leases.leases, 2.0)
+        assert a.engine.block_manager.num_free_blocks == NUM_BLOCKS
+        await a.close()
+
+    asyncio.run(main())
