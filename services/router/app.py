@@ -253,8 +253,9 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
                                   kind=SpanKind.SERVER, attributes=self._request_attributes(prepared, meta, request_id))
         with tracing.span(ta.SPAN_ROUTE, context=trace.set_span_in_context(span)) as route:
             try:
-                placements = [await self._place(prepared, ids) for ids in prepared.prompts]
+                placements = [await self._place(prepared, ids, request_id) for ids in prepared.prompts]
             except APIError as err:
+                self.placer.done(request_id)  # an earlier prompt's placement, if any, never runs
                 span.set_status(trace.StatusCode.ERROR, err.message)
                 span.end()
                 raise
@@ -274,13 +275,13 @@ class RouterDeployment(GrpcServiceMixin, DispatchMixin):
         self.metrics.add_prompt_tokens(prepared.num_prompt_tokens * prepared.n)
         return meta, self._merged(request_id, prepared, placements, span, meta)
 
-    async def _place(self, p: Prepared, prompt_ids: tuple[int, ...]) -> Placement:
+    async def _place(self, p: Prepared, prompt_ids: tuple[int, ...], request_id: str) -> Placement:
         """One prompt's placement by the policy over live replica stats (until they arrive, the
         prompt-length rule and Serve's own replica choice). No placement within the SLOs (admission:
         reject) is a 429."""
         self.placer.start()
         request = PlacementRequest(len(prompt_ids), p.params.max_tokens, p.ttft_slo_s, p.tpot_slo_s, p.priority)
-        result = await self.queue.place(lambda: self.placer.place(request, prompt_ids))
+        result = await self.queue.place(lambda: self.placer.place(request, prompt_ids, request_id))
         if isinstance(result, Rejection):
             retry = max(1, round(result.retry_after_s))
             raise APIError(429, f"no replica can serve this request within its SLOs ({result.reason}); retry later",

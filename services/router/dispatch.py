@@ -121,6 +121,7 @@ class DispatchMixin:
             raise
         finally:
             self._exit()
+            self.placer.done(request_id)
             if outcome is None and len(finish_reasons) >= p.num_choices:
                 outcome = True  # every choice finished; the consumer closed this before it ran to its end
             total = sum(num_tokens)

@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -95,7 +95,10 @@ class Placer:
             out.append(self.pending.apply(snap))
         return out
 
-    async def place(self, request: PlacementRequest, prompt_token_ids: Sequence[int]) -> Placement | Rejection:
+    async def place(
+        self, request: PlacementRequest, prompt_token_ids: Sequence[int], key: Hashable = None
+    ) -> Placement | Rejection:
+        """`key` names the request: its placement loads the chosen replicas until stats show it or `done(key)`."""
         decode = self.snapshots("decode")
         prefill = self.snapshots("prefill") if self.has_prefill else []
         replicas = (*prefill, *decode)
@@ -108,8 +111,12 @@ class Placer:
         result = self.policy.place(request, prefill, decode)
         if isinstance(result, Placement) and decode:
             result = self._with_prefix(result, request, {s.replica_id: s for s in replicas})
-            self.sync.publish(self.pending.record_placement(result, request, decode[0].block_size))
+            self.sync.publish(self.pending.record_placement(result, request, decode[0].block_size, key))
         return result
+
+    def done(self, key: Hashable) -> None:
+        """The request placed under `key` ended (finished, failed or aborted)."""
+        self.pending.done(key)
 
     async def _stored_blocks(self, block_hashes: tuple[int, ...]) -> int:
         """Leading blocks of the chain in the Redis tier, by the kvstore; 0 when unknown or unreachable."""

@@ -1,7 +1,8 @@
 """What the router placed on each replica that the replica's last stats may not show yet.
 
 A placement counts as pending on a replica until stats taken at least `grace_s` after it arrive (the
-request has reached the engine by then), or until `max_age_s` passes with no such stats.
+request has reached the engine by then), until the router sees its request end (`done`: a request shorter
+than the poll period would otherwise count as load after it finished), or until `max_age_s` passes.
 Torch-free and Ray-free: the router owns one and calls it from its event loop.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from pdserve.placement.policy import Placement, PlacementRequest, ReplicaSnapshot
@@ -33,6 +34,7 @@ class _Entry:
     placed_at: float
     prefill_tokens: int
     blocks: int
+    key: Hashable = None  # the request's, for `done`; None: another router's placement
 
 
 class PendingPlacements:
@@ -43,20 +45,29 @@ class PendingPlacements:
         self._clock = clock
         self._entries: dict[str, list[_Entry]] = defaultdict(list)
 
-    def record(self, replica_id: str, prefill_tokens: int, blocks: int, placed_at: float | None = None) -> None:
+    def record(self, replica_id: str, prefill_tokens: int, blocks: int, placed_at: float | None = None,
+               key: Hashable = None) -> None:
         """`placed_at` (this object's clock): when another router placed it; None: now."""
         placed_at = self._clock() if placed_at is None else placed_at
-        self._entries[replica_id].append(_Entry(placed_at, prefill_tokens, blocks))
+        self._entries[replica_id].append(_Entry(placed_at, prefill_tokens, blocks, key))
 
     def record_placement(self, placement: Placement, request: PlacementRequest,
-                         block_size: int) -> list[tuple[str, int, int]]:
+                         block_size: int, key: Hashable = None) -> list[tuple[str, int, int]]:
         """Records, and returns as (replica, prefill tokens, blocks), the prompt's prefill (less its expected
         prefix hit) and blocks on the prefill replica (or the decode replica when local), and the whole
-        sequence's blocks on the decode replica."""
+        sequence's blocks on the decode replica. `key` names the request for `done`."""
         entries = placement_entries(placement, request, block_size)
         for replica_id, prefill_tokens, blocks in entries:
-            self.record(replica_id, prefill_tokens, blocks)
+            self.record(replica_id, prefill_tokens, blocks, key=key)
         return entries
+
+    def done(self, key: Hashable) -> None:
+        """The request recorded under `key` ended: it no longer loads any replica, whatever stats show yet."""
+        if key is None:
+            return
+        for replica_id, entries in self._entries.items():
+            if any(e.key == key for e in entries):
+                self._entries[replica_id] = [e for e in entries if e.key != key]
 
     def observe(self, replica_id: str, stats_taken_at: float) -> None:
         """Stats taken at `stats_taken_at` (this object's clock) show every placement up to grace_s before."""

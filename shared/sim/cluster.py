@@ -203,7 +203,7 @@ class Simulation:
         prefill = None
         if placement.disaggregate and self.spec.mode == "disaggregated":
             prefill = by_id.get(placement.prefill_replica or "") or self._pick("prefill")
-        self.pendings[k].record_placement(placement, request, decode.engine.spec.block_size)
+        self.pendings[k].record_placement(placement, request, decode.engine.spec.block_size, req.index)
         seq_owner = prefill or decode
         seq = seq_owner.engine.add(req, placement.prefill_chunk_tokens)
         self._records_by_seq[id(seq)] = record
@@ -296,6 +296,7 @@ class Simulation:
     def _finish(self, seq: SimSeq) -> None:
         record = self._records_by_seq.pop(id(seq))
         record.status = "ok"
+        self.pendings[record.request.index % len(self.pendings)].done(record.request.index)  # as the router does
         record.first_token_s = record.first_token_s or seq.first_token_s
         record.finish_s = seq.finish_s
         record.num_preemptions = seq.num_preemptions

@@ -283,6 +283,25 @@ def test_pending_placements_count_until_stats_show_them():
     assert pending.apply(pre("p0")).num_pending == 0
 
 
+def test_a_request_that_ended_stops_counting_as_pending_before_stats_show_it():
+    # sequential requests shorter than the poll period: without `done` each would load its replica until the
+    # next stats, and three in a row pushed a replica holding a chat's history past kv_aware's load slack
+    now = [100.0]
+    pending = PendingPlacements(grace_s=0.05, max_age_s=10.0, clock=lambda: now[0])
+    request = req(100, max_tokens=60)
+    pending.record_placement(Placement(True, "p0", "d0", SPLIT), request, BS, key="a")
+    pending.record_placement(Placement(False, None, "d0", LOCAL), request, BS, key="b")
+    pending.record("d0", 5, 1, placed_at=99.9)  # another router's: no key, only stats or age clear it
+    pending.done("a")
+    d0, p0 = pending.apply(snap("d0")), pending.apply(pre("p0"))
+    assert (d0.num_pending, d0.pending_prefill_tokens, d0.pending_blocks) == (2, 105, 11)
+    assert p0.num_pending == 0  # the prefill replica's entry went with the request
+    pending.done("unknown")
+    pending.done(None)  # never clears the keyless entries
+    pending.done("b")
+    assert pending.apply(snap("d0")).num_pending == 1
+
+
 def test_stats_poll_period_reaches_the_poller():
     from pdserve.services.router.placer import Placer
 
