@@ -103,8 +103,8 @@ class FusedDecode:
         return len(strides) == 1
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A decode-only step of at most MAX_KERNEL_ROWS sequences (above it the per-op path dequantizes
-        each weight once for a float32 matmul, as NativeQuantLinear does)."""
+        """A decode-only step of at most MAX_KERNEL_ROWS sequences (above it the per-op path, layer by layer,
+        with the same linear kernel)."""
         return (meta.backend == "torch" and not meta.prefills and bool(meta.decode_groups)
                 and x.shape[0] <= MAX_KERNEL_ROWS
                 and meta.num_decode_tokens == x.shape[0] and x.dtype is torch.float32 and x.is_contiguous()

@@ -1,9 +1,9 @@
 """SmolLM2-135M-Instruct (Q4_1 GGUF) served as stored (weight-only int4/int8) against the float32 dequantized
 reference (quantization="none": today's path, itself identical to transformers' GGUF load).
 
-Two paths per quantized linear: up to `max_kernel_rows` rows (decode) the kernel (pdserve's native CPU kernel
-where it builds: float32 input, on AVX-512 VNNI in two int8 planes; else torch's int4/int8 kernels in
-bfloat16), above it (prefill) the weight dequantized exactly to float32. Logits are checked on both, at every
+Two paths per quantized linear: up to `max_kernel_rows` rows the kernel (pdserve's native CPU kernel where it
+builds: float32 input, on AVX-512 VNNI in two int8 planes, up to 1,024 rows; else torch's int4/int8 kernels in
+bfloat16, up to 32), above it the weight dequantized exactly to float32. Logits are checked on both, at every
 prompt position; greedy tokens and perplexity go through the engine as it serves.
 """
 
@@ -27,7 +27,7 @@ from pdserve.kernels import cpu_quant
 from pdserve.models.attention import AttentionMetadata, PrefillChunk
 from pdserve.models.linear import Linear
 from pdserve.models.quant_linear import MAX_KERNEL_ROWS, QuantEmbedding, QuantLinear
-from pdserve.models.quant_linear_native import NativeQuantLinear
+from pdserve.models.quant_linear_native import NATIVE_MAX_KERNEL_ROWS, NativeQuantLinear
 from pdserve.models.resolve import DEFAULT_MODEL
 from pdserve.sampling_params import SamplingParams
 
@@ -79,10 +79,13 @@ def _logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     return model.compute_logits(model(torch.tensor(prompt), torch.arange(n), caches, meta))
 
 
-def _set_kernel_rows(llm: LLM, rows: int) -> None:
+def _set_kernel_rows(llm: LLM, rows: int | None) -> None:
+    """None: each linear's serving default."""
     for module in llm.engine.runner.model.modules():
-        if isinstance(module, QuantLinear | NativeQuantLinear):
-            module.max_kernel_rows = rows
+        if isinstance(module, NativeQuantLinear):
+            module.max_kernel_rows = NATIVE_MAX_KERNEL_ROWS if rows is None else rows
+        elif isinstance(module, QuantLinear):
+            module.max_kernel_rows = MAX_KERNEL_ROWS if rows is None else rows
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
@@ -139,7 +142,7 @@ def test_logits_match_at_every_prompt_position(reference, quantized) -> None:
         assert worst < tolerance
         if rows:
             assert mean < KERNEL_MEAN_TOL
-    _set_kernel_rows(llm, MAX_KERNEL_ROWS)
+    _set_kernel_rows(llm, None)
 
 
 def test_greedy_tokens_diverge_only_at_near_ties(reference, quantized) -> None:
@@ -179,7 +182,7 @@ def test_perplexity_within_one_percent(reference, quantized) -> None:
             f"on {len(reference['text'])} tokens"
         )
         assert math.isfinite(ratio) and abs(ratio - 1) < 0.01
-    _set_kernel_rows(llm, MAX_KERNEL_ROWS)
+    _set_kernel_rows(llm, None)
 
 
 @pytest.fixture(scope="module")

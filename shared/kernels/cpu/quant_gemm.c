@@ -186,6 +186,62 @@ static inline __attribute__((always_inline)) void tile(const int NT, const int M
     }
 }
 
+/* the 64 codes of pair p of a row in position order, one byte each */
+static inline __attribute__((always_inline)) __m512i pair_codes(const qweight *w, const uint8_t *row, int64_t p) {
+    if (w->bits == 8) return _mm512_loadu_si512(row + p * 64);
+    if (p + 1 < w->K / 64 || p % 2 == 1) {
+        __m512i even, odd;
+        codes128(row + (p / 2) * 64, &even, &odd);
+        return p % 2 ? odd : even;
+    }
+    return codes64(row + p * 32); /* a last pair alone */
+}
+
+/* RT_N output channels from n0 against RT_M input rows, pairs outermost: each pair's x is loaded once for
+ * all the channels and each channel's codes once for all the rows; the same sums in the same order as
+ * `tile`, so the same bits. Against `tile` by channel (RT_N 1), at one thread: 1.3-1.8x at 128-2,048 rows
+ * (a prefill), 1.1-1.3x at 16 (a batch-16 decode step); 4 x 8 ran as fast as 4 x 6 and 8 x 4, faster
+ * than 2 x 4, 2 x 8 and 8 x 2 */
+#define RT_N 4
+#define RT_M 8
+static void tile_rows(const qweight *w, const int8_t *xh, const int8_t *xl, const float *s256, const float *gsum,
+                      int64_t n0, float *y, int64_t N) {
+    const int64_t K = w->K, pairs = K / 64, groups = K / w->group, elem = w->half ? 2 : 4, blocks = K / 32;
+    __m512 acc[RT_N][RT_M];
+    for (int i = 0; i < RT_N; i++)
+        for (int m = 0; m < RT_M; m++) acc[i][m] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512i h[RT_M], l[RT_M];
+        __m512 s[RT_M];
+        for (int m = 0; m < RT_M; m++) {
+            h[m] = _mm512_loadu_si512(xh + m * K + p * 64);
+            l[m] = _mm512_loadu_si512(xl + m * K + p * 64);
+            s[m] = pair_floats(s256 + m * blocks + 2 * p);
+        }
+        for (int i = 0; i < RT_N; i++) {
+            const __m512i c = pair_codes(w, w->packed + (n0 + i) * row_bytes(w), p);
+            const __m512 d = weight_scales(w, (const char *)w->scale + (n0 + i) * groups * elem, p);
+            for (int m = 0; m < RT_M; m++) {
+                const __m512i hm = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, h[m]);
+                const __m512 v = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_slli_epi32(hm, 8), c, l[m]));
+                acc[i][m] = _mm512_fmadd_ps(v, _mm512_mul_ps(d, s[m]), acc[i][m]);
+            }
+        }
+    }
+    for (int i = 0; i < RT_N; i++) {
+        const void *z = (const char *)w->offset + (n0 + i) * groups * elem;
+        for (int m = 0; m < RT_M; m++) {
+            for (int64_t g = 0; g < groups; g += 16) {
+                const __mmask16 k = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+                const __m512 zs = w->half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)z + g))
+                                          : _mm512_maskz_loadu_ps(k, (const float *)z + g);
+                acc[i][m] = _mm512_fmadd_ps(zs, _mm512_maskz_loadu_ps(k, gsum + m * groups + g), acc[i][m]);
+            }
+            y[m * N + n0 + i] = _mm512_reduce_add_ps(acc[i][m]);
+        }
+    }
+}
+
 #define TILE_CASE(mt)                                                                                      \
     case mt:                                                                                               \
         tile(1, mt, 0, &w, xh + m0 * K, xl + m0 * K, s256 + m0 * blocks, gsum + m0 * groups, n, y + m0 * N, N); \
@@ -208,30 +264,24 @@ void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, 
         }
     } else {
 #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {
-                switch (M - m0 < MT_MAX ? M - m0 : MT_MAX) {
-                    TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
-                    TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
+        for (int64_t n0 = 0; n0 < N; n0 += RT_N) {
+            const int64_t full = N - n0 >= RT_N ? M / RT_M * RT_M : 0;
+            for (int64_t m0 = 0; m0 < full; m0 += RT_M)
+                tile_rows(&w, xh + m0 * K, xl + m0 * K, s256 + m0 * blocks, gsum + m0 * groups, n0, y + m0 * N, N);
+            for (int64_t n = n0; n < N && n < n0 + RT_N; n++)
+                for (int64_t m0 = full; m0 < M; m0 += MT_MAX) {
+                    switch (M - m0 < MT_MAX ? M - m0 : MT_MAX) {
+                        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
+                        TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
+                    }
                 }
-            }
+        }
     }
     free(xh);
     free(s256);
 }
 
 int pd_quant_isa(void) { return 1; } /* 1: AVX-512 VNNI, x in two int8 planes; 0: portable float32 */
-
-/* the 64 codes of pair p of a row in position order, one byte each */
-static inline __attribute__((always_inline)) __m512i pair_codes(const qweight *w, const uint8_t *row, int64_t p) {
-    if (w->bits == 8) return _mm512_loadu_si512(row + p * 64);
-    if (p + 1 < w->K / 64 || p % 2 == 1) {
-        __m512i even, odd;
-        codes128(row + (p / 2) * 64, &even, &odd);
-        return p % 2 ? odd : even;
-    }
-    return codes64(row + p * 32); /* a last pair alone */
-}
 
 /* pd_quant_dequant_row, 16 elements at a time: the pair's 4-byte lanes regrouped by block (even lanes hold
  * block A, odd lanes block B, each in element order), widened to float32, code * scale + offset in one

@@ -95,7 +95,7 @@ def test_zero_input_gives_the_zero_output() -> None:
     assert torch.equal(y, torch.zeros(2, 8))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("rows", [1, 3, 40, 1100])
 def test_native_quant_linear_decode_and_prefill_paths(rows: int) -> None:
     """Up to max_kernel_rows the kernel, above it the exact dequantized float32 weight."""
     gen = torch.Generator().manual_seed(rows)
