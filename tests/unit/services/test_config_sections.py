@@ -124,3 +124,15 @@ def test_the_config_validates_without_torch_or_ray():
     code = ("import sys; import pdserve.services.app, pdserve.services.cli; "
             "sys.exit(1 if {'torch', 'ray'} & set(sys.modules) else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_the_step_budget_defaults_by_device_and_a_set_one_wins():
+    from pdserve.services.worker import CPU_MAX_NUM_BATCHED_TOKENS
+
+    cpu, gpu = WorkerConfig(), WorkerConfig(device="cuda")
+    assert cpu.max_num_batched_tokens is None and CPU_MAX_NUM_BATCHED_TOKENS == 512
+    assert cpu.engine_config().scheduler.max_num_batched_tokens == 512
+    assert gpu.resolved_max_num_batched_tokens() == 2048
+    assert WorkerConfig(max_num_batched_tokens=4096).engine_config().scheduler.max_num_batched_tokens == 4096
+    with pytest.raises(ValidationError):
+        WorkerConfig(max_num_batched_tokens=0)
