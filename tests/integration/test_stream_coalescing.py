@@ -66,6 +66,28 @@ def _content(events: list[dict], chat: bool) -> dict:
     return out
 
 
+def _assert_same(slow: dict, plain: dict) -> None:
+    """The same tokens, text, finish reasons and usage; logprobs within float32 noise: the two streams come
+    from two apps' engines, which are not bit-identical across replicas (a CI run saw every logprob of one
+    greedy stream differ by ~2e-5, the tokens the same)."""
+    def split(content: dict) -> tuple[dict, list]:
+        rest = {"usage": content["usage"], "choices": {}}
+        numbers = []
+        for index, choice in content["choices"].items():
+            rest["choices"][index] = {k: v for k, v in choice.items() if k != "logprobs"}
+            for lp in choice["logprobs"]:
+                if isinstance(lp, tuple):  # gRPC: (logprob, [(token id, logprob), ...])
+                    rest["choices"][index].setdefault("top_ids", []).append([t for t, _ in lp[1]])
+                    numbers += [lp[0], *(v for _, v in lp[1])]
+                else:
+                    numbers.append(lp)
+        return rest, numbers
+
+    (slow_rest, slow_lps), (plain_rest, plain_lps) = split(slow), split(plain)
+    assert slow_rest == plain_rest
+    assert slow_lps == pytest.approx(plain_lps, abs=1e-3)
+
+
 CASES = [
     ("/v1/completions", {"model": "tiny", "prompt": LONG, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
                          "logprobs": 2, "stream_options": {"include_usage": True}}),
@@ -84,7 +106,7 @@ def test_coalesced_streams_carry_the_same_content(servers, path, body):
     chat = "chat" in path
     plain = _content(_stream(servers["coalesce-off"], path, body), chat)
     slow = _content(_stream(servers["coalesce-on"], path, body, lag_s=0.5), chat)
-    assert slow == plain
+    _assert_same(slow, plain)
     assert all(c["finish"] for c in plain["choices"].values())
 
 
@@ -132,7 +154,7 @@ def _grpc_content(ray_serve, app: str, params: dict, lag_s: float = 0.0) -> tupl
 def test_coalesced_grpc_streams_carry_the_same_content(servers, ray_serve, params):
     plain, _ = _grpc_content(ray_serve, "coalesce-off", params)
     slow, _ = _grpc_content(ray_serve, "coalesce-on", params, lag_s=0.3)
-    assert slow == plain
+    _assert_same(slow, plain)
     assert all(c["finish"] for c in plain["choices"].values())
 
 
