@@ -131,6 +131,21 @@ static inline __attribute__((always_inline)) void prefetch_row(const qweight *w,
     _mm_prefetch((const char *)w->offset + n * groups * elem, _MM_HINT_T0);
 }
 
+/* one output: channel n's lane sums plus the offsets' term, the sum over groups of offset * sum(x) of the row
+ * (`gsum`: that row's group sums) */
+static inline __attribute__((always_inline)) float channel_sum(const qweight *w, int64_t n, const float *gsum,
+                                                               __m512 acc) {
+    const int64_t groups = w->K / w->group;
+    const void *z = (const char *)w->offset + n * groups * (w->half ? 2 : 4);
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 k = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+        const __m512 zs = w->half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)z + g))
+                                  : _mm512_maskz_loadu_ps(k, (const float *)z + g);
+        acc = _mm512_fmadd_ps(zs, _mm512_maskz_loadu_ps(k, gsum + g), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
 /* acc[m] += pair p of one output channel (codes c) against MT input rows */
 static inline __attribute__((always_inline)) void pair_dot(const int MT, __m512i c, __m512 d, int64_t p,
                                                            const int8_t *xh, const int8_t *xl, const float *s256,
@@ -172,18 +187,8 @@ static inline __attribute__((always_inline)) void tile(const int NT, const int M
             if (p < pairs) pair_dot(MT, codes64(row + p * 32), weight_scales(w, sc, p), p, xh, xl, s256, K, acc[i]);
         }
     }
-    for (int i = 0; i < NT; i++) {
-        const void *z = (const char *)w->offset + (n0 + i) * groups * elem;
-        for (int m = 0; m < MT; m++) { /* the offsets' term: sum over groups of z * sum(x) */
-            for (int64_t g = 0; g < groups; g += 16) {
-                const __mmask16 k = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
-                const __m512 zs = w->half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)z + g))
-                                          : _mm512_maskz_loadu_ps(k, (const float *)z + g);
-                acc[i][m] = _mm512_fmadd_ps(zs, _mm512_maskz_loadu_ps(k, gsum + m * groups + g), acc[i][m]);
-            }
-            y[m * N + n0 + i] = _mm512_reduce_add_ps(acc[i][m]);
-        }
-    }
+    for (int i = 0; i < NT; i++)
+        for (int m = 0; m < MT; m++) y[m * N + n0 + i] = channel_sum(w, n0 + i, gsum + m * w->K / w->group, acc[i][m]);
 }
 
 /* the 64 codes of pair p of a row in position order, one byte each */
@@ -228,18 +233,8 @@ static void tile_rows(const qweight *w, const int8_t *xh, const int8_t *xl, cons
             }
         }
     }
-    for (int i = 0; i < RT_N; i++) {
-        const void *z = (const char *)w->offset + (n0 + i) * groups * elem;
-        for (int m = 0; m < RT_M; m++) {
-            for (int64_t g = 0; g < groups; g += 16) {
-                const __mmask16 k = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
-                const __m512 zs = w->half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)z + g))
-                                          : _mm512_maskz_loadu_ps(k, (const float *)z + g);
-                acc[i][m] = _mm512_fmadd_ps(zs, _mm512_maskz_loadu_ps(k, gsum + m * groups + g), acc[i][m]);
-            }
-            y[m * N + n0 + i] = _mm512_reduce_add_ps(acc[i][m]);
-        }
-    }
+    for (int i = 0; i < RT_N; i++)
+        for (int m = 0; m < RT_M; m++) y[m * N + n0 + i] = channel_sum(w, n0 + i, gsum + m * groups, acc[i][m]);
 }
 
 #define TILE_CASE(mt)                                                                                      \
