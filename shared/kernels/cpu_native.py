@@ -30,6 +30,7 @@ KERNEL_ENV = "PDSERVE_CPU_KERNELS"
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"
 SOURCES = tuple(Path(__file__).parent / "cpu" / name
                 for name in ("quant_gemm.c", "paged_decode.c", "norm_rope.c", "decode_layers.c"))
+HEADERS = (Path(__file__).parent / "cpu" / "simd_math.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -51,7 +52,7 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, version, " ".join(flags), _cpu_flags()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"pdserve_cpu-{key}.so"
     if target.exists():

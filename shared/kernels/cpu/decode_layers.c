@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "simd_math.h"
 
 void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, int bits, const void *scale,
                    const void *offset, int half, int64_t group, int64_t N, float *y);
@@ -40,6 +41,19 @@ typedef struct {
     const float *cos, *sin; /* [max_positions, head_dim] */
     int64_t max_positions, num_blocks, block_size, block_stride, kv_half;
 } pd_dims;
+
+/* act = silu(g) * u over I elements */
+static void silu_mul(const float *g, const float *u, int64_t I, float *act) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= I; j += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + j), one = _mm512_set1_ps(1.0f);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        _mm512_storeu_ps(act + j, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + j)));
+    }
+#endif
+    for (; j < I; j++) act[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+}
 
 static void linear(const pd_qlinear *w, const float *x, int64_t M, float *y) {
     pd_quant_gemm(x, M, w->K, w->packed, (int)w->bits, w->scale, w->offset, (int)w->half, w->group, w->N, y);
@@ -88,11 +102,7 @@ int pd_decode_layers(float *x, int64_t n, const pd_dims *m, const pd_layer *laye
         for (int64_t j = 0; j < n * hidden; j++) x[j] += proj[j];
         pd_rms_norm(x, L->post_attention_norm, n, hidden, m->eps, h);
         linear(&L->gate_up, h, n, gu);
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t j = 0; j < I; j++) {
-                const float g = gu[i * 2 * I + j];
-                act[i * I + j] = g / (1.0f + expf(-g)) * gu[i * 2 * I + I + j];
-            }
+        for (int64_t i = 0; i < n; i++) silu_mul(gu + i * 2 * I, gu + i * 2 * I + I, I, act + i * I);
         linear(&L->down, act, n, proj);
         for (int64_t j = 0; j < n * hidden; j++) x[j] += proj[j];
     }

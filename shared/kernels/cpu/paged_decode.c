@@ -66,23 +66,7 @@ static pd_split split_of(int64_t len, int64_t items, int threads) {
     return sp;
 }
 
-#if defined(__AVX512F__) && PD_KV_HALF
-/* e^x in 16 lanes, for the x <= 0 of softmax scores less their max: x = n ln2 + r, |r| <= ln2 / 2 (ln2 in two
- * parts), e^r by its Taylor polynomial to r^7 (truncation under 2^-27), times 2^n (scalef; 0 past e^-104,
- * below float32's least subnormal). About 1 ulp from libm's expf; libm's scalar calls cost a b1 decode step
- * of the default model ~0.17 ms of its ~0.75 ms of attention. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-    static const float taylor[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
-    __m512 p = _mm512_set1_ps(taylor[0]);
-    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[i]));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
+#include "simd_math.h"
 
 /* scores[t] <- exp(scores[t] - top); returns their sum */
 static inline float exp_sum(float *scores, int64_t span, float top) {
@@ -133,56 +117,110 @@ static void attend_head(const float *qh, int64_t D, const void *k_cache, const v
 }
 
 #if defined(__AVX512F__) && PD_KV_HALF
-/* attend_head for D = 16 * ND, q and o held in registers */
 static inline __attribute__((always_inline)) __m512 row16(const void *cache, int half, int64_t at, int c) {
     if (!half) return _mm512_loadu_ps((const float *)cache + at + 16 * c);
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + at + 16 * c)));
 }
 
-static inline __attribute__((always_inline)) void attend_head16(const int ND, const float *qh, const void *k_cache,
-                                                                const void *v_cache, int half, const int64_t *at,
-                                                                int64_t span, float scale, float *scores, float *m,
-                                                                float *l, float *o) {
-    __m512 qv[8], ov[8];
-    for (int c = 0; c < ND; c++) qv[c] = _mm512_loadu_ps(qh + 16 * c), ov[c] = _mm512_setzero_ps();
-    float top = -INFINITY;
-    for (int64_t t = 0; t < span; t++) {
-        __m512 acc = _mm512_mul_ps(qv[0], row16(k_cache, half, at[t], 0));
-        for (int c = 1; c < ND; c++) acc = _mm512_fmadd_ps(qv[c], row16(k_cache, half, at[t], c), acc);
-        scores[t] = _mm512_reduce_add_ps(acc) * scale;
-        top = scores[t] > top ? scores[t] : top;
-    }
-    const float total = exp_sum(scores, span, top);
-    for (int64_t t = 0; t < span; t++) {
-        const __m512 p = _mm512_set1_ps(scores[t]);
-        for (int c = 0; c < ND; c++) ov[c] = _mm512_fmadd_ps(p, row16(v_cache, half, at[t], c), ov[c]);
-    }
-    for (int c = 0; c < ND; c++) _mm512_storeu_ps(o + 16 * c, ov[c]);
-    *m = top;
-    *l = total;
-}
-#define PD_HEAD16(nd) \
-    case nd: attend_head16(nd, qh, k_cache, v_cache, half, at, span, scale, scores, m, l, o); return;
-#endif
+/* the rows PD_PREFETCH positions ahead, K and V, requested while the scores are computed: a piece's rows sit
+ * 16 to a block and its blocks anywhere in the pool, too short a stride run for the hardware prefetchers */
+#define PD_PREFETCH 8
 
-static void attend(const float *qh, int64_t D, const void *k_cache, const void *v_cache, int half, const int64_t *at,
-                   int64_t span, float scale, float *scores, float *row, float *m, float *l, float *o) {
-#if defined(__AVX512F__) && PD_KV_HALF
-    if (D % 16 == 0) switch (D / 16) { PD_HEAD16(1) PD_HEAD16(2) PD_HEAD16(4) PD_HEAD16(6) PD_HEAD16(8) }
-#endif
-    attend_head(qh, D, k_cache, v_cache, half, at, span, scale, scores, row, m, l, o);
+static inline __attribute__((always_inline)) void prefetch_rows(const void *k_cache, const void *v_cache, int half,
+                                                                int64_t at, int64_t D) {
+    const int64_t bytes = D * (half ? 2 : 4), elem = half ? 2 : 4;
+    for (int64_t off = 0; off < bytes; off += 64) {
+        _mm_prefetch((const char *)k_cache + at * elem + off, _MM_HINT_T0);
+        _mm_prefetch((const char *)v_cache + at * elem + off, _MM_HINT_T0);
+    }
 }
+
+/* attend_head for G query heads sharing one KV head, D = 16 * ND: each K and V row is read once for all G,
+ * q and o held in registers; per head the same sums in the same order as one head alone.
+ * scores: [G, span]. */
+#define PD_GMAX 4
+static inline __attribute__((always_inline)) void attend_heads16(const int ND, const int G, const float *q,
+                                                                 const void *k_cache, const void *v_cache, int half,
+                                                                 const int64_t *at, int64_t span, float scale,
+                                                                 float *scores, float *m, float *l, float *o) {
+    const int64_t D = 16 * ND;
+    __m512 qv[PD_GMAX][8], ov[PD_GMAX][8];
+    float top[PD_GMAX];
+    for (int j = 0; j < G; j++) {
+        top[j] = -INFINITY;
+        for (int c = 0; c < ND; c++) qv[j][c] = _mm512_loadu_ps(q + j * D + 16 * c), ov[j][c] = _mm512_setzero_ps();
+    }
+    for (int64_t t = 0; t < span; t++) {
+        if (t + PD_PREFETCH < span) prefetch_rows(k_cache, v_cache, half, at[t + PD_PREFETCH], D);
+        __m512 kr[8];
+        for (int c = 0; c < ND; c++) kr[c] = row16(k_cache, half, at[t], c);
+        for (int j = 0; j < G; j++) {
+            __m512 acc = _mm512_mul_ps(qv[j][0], kr[0]);
+            for (int c = 1; c < ND; c++) acc = _mm512_fmadd_ps(qv[j][c], kr[c], acc);
+            const float score = _mm512_reduce_add_ps(acc) * scale;
+            scores[j * span + t] = score;
+            top[j] = score > top[j] ? score : top[j];
+        }
+    }
+    for (int j = 0; j < G; j++) l[j] = exp_sum(scores + j * span, span, top[j]), m[j] = top[j];
+    for (int64_t t = 0; t < span; t++) {
+        for (int c = 0; c < ND; c++) {
+            const __m512 vr = row16(v_cache, half, at[t], c);
+            for (int j = 0; j < G; j++)
+                ov[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * span + t]), vr, ov[j][c]);
+        }
+    }
+    for (int j = 0; j < G; j++)
+        for (int c = 0; c < ND; c++) _mm512_storeu_ps(o + j * D + 16 * c, ov[j][c]);
+}
+
+/* heads per pass: G * ND <= 16 accumulators */
+static inline int64_t heads_per_pass(int64_t D) { return D <= 64 ? PD_GMAX : 2; }
+
+#define PD_HEADS16(nd, g) \
+    case 8 * (g) + (nd): \
+        attend_heads16(nd, g, q, k_cache, v_cache, half, at, span, scale, scores, m, l, o); return 1;
+
+/* 1 when D and G have a register kernel (and it ran) */
+static int attend_heads_fast(int64_t D, int64_t G, const float *q, const void *k_cache, const void *v_cache,
+                             int half, const int64_t *at, int64_t span, float scale, float *scores, float *m,
+                             float *l, float *o) {
+    if (D % 16 != 0 || D > 128 || G > PD_GMAX) return 0;
+    switch (8 * G + D / 16) {
+        PD_HEADS16(1, 1) PD_HEADS16(1, 2) PD_HEADS16(1, 3) PD_HEADS16(1, 4)
+        PD_HEADS16(2, 1) PD_HEADS16(2, 2) PD_HEADS16(2, 3) PD_HEADS16(2, 4)
+        PD_HEADS16(4, 1) PD_HEADS16(4, 2) PD_HEADS16(4, 3) PD_HEADS16(4, 4)
+        PD_HEADS16(6, 1) PD_HEADS16(6, 2) PD_HEADS16(8, 1) PD_HEADS16(8, 2)
+    }
+    return 0;
+}
+#else
+static inline int64_t heads_per_pass(int64_t D) { (void)D; return 1; }
+static int attend_heads_fast(int64_t D, int64_t G, const float *q, const void *k_cache, const void *v_cache,
+                             int half, const int64_t *at, int64_t span, float scale, float *scores, float *m,
+                             float *l, float *o) {
+    return 0;
+}
+#endif
 
 /* One piece, positions [s0, s1) of a sequence, for the `group` query heads of KV head g: per head j its
- * max m[j], sum l[j] and o[j] [D] (attend_head); `at` [s1 - s0] takes the rows' offsets. */
+ * max m[j], sum l[j] and o[j] [D] (attend_head); `at` [s1 - s0] takes the rows' offsets, scores
+ * [group, s1 - s0]. */
 static void attend_piece(const float *q, int64_t D, int64_t group, const void *k_cache, const void *v_cache,
                          int half, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t g,
                          const int64_t *table, int64_t s0, int64_t s1, float scale, float *scores, float *row,
                          int64_t *at, float *m, float *l, float *o) {
+    const int64_t span = s1 - s0, pass = heads_per_pass(D);
     for (int64_t s = s0; s < s1; s++)
         at[s - s0] = table[s / block_size] * block_stride + (s % block_size) * token_stride + g * D;
-    for (int64_t j = 0; j < group; j++)
-        attend(q + j * D, D, k_cache, v_cache, half, at, s1 - s0, scale, scores, row, m + j, l + j, o + j * D);
+    for (int64_t j = 0; j < group; j += pass) {
+        const int64_t G = group - j < pass ? group - j : pass;
+        if (attend_heads_fast(D, G, q + j * D, k_cache, v_cache, half, at, span, scale, scores, m + j, l + j,
+                              o + j * D))
+            continue;
+        for (int64_t h = j; h < j + G; h++)
+            attend_head(q + h * D, D, k_cache, v_cache, half, at, span, scale, scores, row, m + h, l + h, o + h * D);
+    }
 }
 
 /* out[i, h] = softmax_s(scale * q[i, h] . k[i, s]) @ v[i, s] over s < context_lens[i]; q, out [n, H, D].
@@ -211,7 +249,7 @@ int pd_paged_decode(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D
     {
         /* a piece of any sequence spans at most max(most.per, PD_MIN_PIECE) positions */
         const int64_t span = most.per > PD_MIN_PIECE ? most.per : PD_MIN_PIECE;
-        float *scores = malloc(span * sizeof(float)), *row = malloc(D * sizeof(float));
+        float *scores = malloc(group * span * sizeof(float)), *row = malloc(D * sizeof(float));
         int64_t *at = malloc(span * sizeof(int64_t));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < items; t++) {

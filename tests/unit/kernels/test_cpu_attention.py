@@ -83,22 +83,35 @@ def test_contexts_split_across_threads_merge_to_torchs_result(monkeypatch, lens:
     assert (native - reference).abs().max() < 1e-5
 
 
+def _assert_plain_softmax_attention(head_dim: int, group: int, dtype: torch.dtype, seed: int) -> None:
+    """paged_decode against softmax attention written out over the gathered rows: 2 KV heads, `group` query
+    heads on each."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = (torch.randn(8, BLOCK, 2, head_dim, generator=gen).to(dtype) for _ in range(2))
+    lens, tables = [70, 3], torch.tensor([[5, 1, 7, 2, 0], [6, 0, 0, 0, 0]])
+    q = torch.randn(2, 2 * group, head_dim, generator=gen)
+    out = paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), head_dim**-0.5)
+    for i, n in enumerate(lens):
+        k = k_cache[tables[i]].reshape(-1, 2, head_dim)[:n].float().repeat_interleave(group, dim=1)  # [n, H, D]
+        v = v_cache[tables[i]].reshape(-1, 2, head_dim)[:n].float().repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,shd->hs", q[i], k) * head_dim**-0.5, dim=-1)
+        assert (out[i] - torch.einsum("hs,shd->hd", weights, v)).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [40, 32, 128])  # the plain loops (not a multiple of 16), and registers
 def test_head_sizes_match_plain_softmax_attention(head_dim: int, dtype: torch.dtype) -> None:
-    """Every head size against softmax attention written out over the gathered rows."""
     if dtype is torch.float16 and not HALF:
         pytest.skip("built without F16C")
-    gen = torch.Generator().manual_seed(head_dim)
-    k_cache, v_cache = (torch.randn(8, BLOCK, 2, head_dim, generator=gen).to(dtype) for _ in range(2))
-    lens, tables = [70, 3], torch.tensor([[5, 1, 7, 2, 0], [6, 0, 0, 0, 0]])
-    q = torch.randn(2, 6, head_dim, generator=gen)
-    out = paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), head_dim**-0.5)
-    for i, n in enumerate(lens):
-        k = k_cache[tables[i]].reshape(-1, 2, head_dim)[:n].float().repeat_interleave(3, dim=1)  # [n, 6, D]
-        v = v_cache[tables[i]].reshape(-1, 2, head_dim)[:n].float().repeat_interleave(3, dim=1)
-        weights = torch.softmax(torch.einsum("hd,shd->hs", q[i], k) * head_dim**-0.5, dim=-1)
-        assert (out[i] - torch.einsum("hs,shd->hd", weights, v)).abs().max() < 1e-5
+    _assert_plain_softmax_attention(head_dim, 3, dtype, head_dim)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])  # query heads per KV head: one pass, and several
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # 4 heads a pass up to 64, 2 at 128
+def test_query_heads_per_kv_head_match_plain_softmax_attention(group: int, head_dim: int) -> None:
+    """The register kernel reads each K and V row once for the heads of a pass; every split of a KV head's
+    query heads into passes gives each head its own softmax."""
+    _assert_plain_softmax_attention(head_dim, group, torch.float32, 100 * group + head_dim)
 
 
 def test_two_groups_fill_their_own_rows() -> None:
