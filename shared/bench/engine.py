@@ -9,13 +9,17 @@ The b1 run is one request (256 prompt tokens, 128 output tokens). `pdserve_tok_s
 the whole run, the prefill included; the same prompt with one output token, timed alone, is the prefill, and
 the rest of the run is its 127 decode steps (`pdserve_decode_tok_s_b1`); `decode_split_b1` says where one of
 them goes (pdserve.bench.engine_split). `roofline_fraction_b1` is the decode steps' rate times the bytes a
-step reads, over the read bandwidth: how close a memory-bound step comes to the bandwidth.
-`roofline_fraction_b1_end_to_end` counts the whole run instead, the compute-bound prefill
-included. The read bandwidth is measured before the runs and after them; the higher of the two counts.
+step reads, over the read bandwidth: how close a memory-bound step comes to the bandwidth. It is the median
+of paired rounds, each one request's decode rate against the bandwidth read just before and after it
+(pdserve.bench.engine_paired: this VM's bandwidth moves within seconds). `roofline_fraction_b1_run_max_bw`
+divides the b1 run's rate by the higher of two readings taken before all the runs and after them, minutes
+apart; `roofline_fraction_b1_end_to_end` counts the whole run against those readings, the compute-bound
+prefill included.
 
 For a GGUF model, llama.cpp decodes the same b1 request from the same file in the same run, when `pdserve
 bench peer`'s scratch venv is there (pdserve.bench.engine_peer): `llama_cpp_roofline_fraction_b1` is its
-fraction of the same bandwidth, `ratio_decode_b1_llama_cpp` pdserve's decode rate over its.
+fraction of the run's higher reading (compare it with `roofline_fraction_b1_run_max_bw`),
+`ratio_decode_b1_llama_cpp` pdserve's decode rate over its.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from pdserve.bench.engine_paired import bandwidth_probe, paired_fractions, paired_roofline
 from pdserve.bench.engine_peer import gguf_step_weight_bytes, kv_bytes_per_token, llama_cpp_decode_b1
 from pdserve.bench.engine_split import decode_step_split
 from pdserve.bench.roofline import gemv_bandwidth_gb_s, read_bandwidth_gb_s
@@ -40,6 +46,7 @@ from pdserve.models.resolve import MODEL_ALIASES, alias_gguf_path, resolve_model
 from pdserve.models.tiny import default_cache_dir, ensure_tiny_checkpoint
 from pdserve.sampling_params import SamplingParams
 
+PAIRED_ROUNDS = 7  # b1 requests read against the bandwidth around each, pdserve's and llama.cpp's alike
 BENCH_MODEL = dict(
     vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
     num_key_value_heads=4, intermediate_size=2048, max_position_embeddings=2048,
@@ -128,7 +135,7 @@ def _gguf_of(model: str | None) -> Path | None:
 
 
 def _llama_cpp_b1(model: str | None, config: dict, prompt: list[int], max_tokens: int, threads: int,
-                  mode: str) -> dict:
+                  mode: str, probe: Callable[[], float]) -> dict:
     """llama.cpp's b1 decode on the model's GGUF file, or why it did not run."""
     from pdserve.bench.peer import DEFAULT_VENV, XLLAMACPP
 
@@ -139,10 +146,14 @@ def _llama_cpp_b1(model: str | None, config: dict, prompt: list[int], max_tokens
         return {"skipped": "the model is not a GGUF file"}
     if not (DEFAULT_VENV / "bin" / "python").exists():
         return {"skipped": f"no peer venv at {DEFAULT_VENV} (`pdserve bench peer` makes it)"}
-    result = llama_cpp_decode_b1(gguf, DEFAULT_VENV, XLLAMACPP, prompt, max_tokens, threads)
+    result = llama_cpp_decode_b1(gguf, DEFAULT_VENV, XLLAMACPP, prompt, max_tokens, threads, PAIRED_ROUNDS, probe)
     weights = gguf_step_weight_bytes(gguf)
     kv = round(kv_bytes_per_token(config) * (len(prompt) + max_tokens / 2))  # at the b1 run's mean context
-    return {**result, "step_bytes_b1": weights + kv, "weight_bytes": weights, "kv_read_bytes_b1": kv}
+    runs = [{"decode_tok_s": tok_s, "bw_gb_s": bw}
+            for tok_s, bw in zip(result["decode_tok_s_runs"], result["bw_gb_s_runs"])]
+    paired = paired_fractions(runs, weights + kv)
+    return {**result, "step_bytes_b1": weights + kv, "weight_bytes": weights, "kv_read_bytes_b1": kv,
+            "roofline_fraction_b1": paired["median"], "roofline_fraction_b1_paired": paired}
 
 
 def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weights: bool = True,
@@ -167,6 +178,7 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
     # b1: 256 prompt tokens, then decode steps at contexts 257 .. 383 (mean 320)
     read = decode_step_read_bytes(llm, len(b1[0][0]) + b1[0][1] / 2)
     weight_bytes, step_bytes = read["weights"], read["weights"] + read["kv"]
+    probe = bandwidth_probe()
     bw_before = read_bandwidth_gb_s()  # and again after the runs: the best the machine read in this run
     _pdserve_run(llm, [(b1[0][0], 8)])  # warm-up
     pd_b1 = min(_pdserve_run(llm, b1) for _ in range(2))
@@ -176,11 +188,13 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
          f"decode {pd_b1_decode_tok_s:.1f} tok/s")
     split = decode_step_split(llm, b1[0][0], b1[0][1], read["kv"])
     _log(f"b1 decode step split: {split}")
+    paired = paired_roofline(llm, b1[0][0], b1[0][1], step_bytes, probe, PAIRED_ROUNDS)
+    _log(f"b1 roofline fraction, paired rounds: {paired}")
     mixed_tokens = sum(n for _, n in mixed)
     pd_mixed = _pdserve_run(llm, mixed)
     _log(f"pdserve mixed {mixed_tokens / pd_mixed:.1f} tok/s")
     del llm
-    peer = _llama_cpp_b1(model, config, b1[0][0], b1[0][1], threads, llama_cpp)
+    peer = _llama_cpp_b1(model, config, b1[0][0], b1[0][1], threads, llama_cpp, probe)
     _log(f"llama.cpp b1: {peer}")
     hf_model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     _hf_run(hf_model, [(b1[0][0], 8)], 1)
@@ -194,7 +208,8 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
     gemv_bw = gemv_bandwidth_gb_s(weight_bytes)
     pd_b1_tok_s = 128 / pd_b1
     if "decode_tok_s_b1" in peer:
-        peer["roofline_fraction_b1"] = round(peer["decode_tok_s_b1"] * peer["step_bytes_b1"] / 1e9 / mem_bw, 3)
+        peer["roofline_fraction_b1_run_max_bw"] = round(
+            peer["decode_tok_s_b1"] * peer["step_bytes_b1"] / 1e9 / mem_bw, 3)
     return {
         "bench": "engine",
         "model": f"{label} fp32 cpu" + (f" {quantization}" if quantization != "none" else ""),
@@ -216,12 +231,15 @@ def run(quick: bool = False, seed: int = 0, model: str | None = None, pack_weigh
         "mem_bw_gb_s": round(mem_bw, 2),
         "mem_bw_gb_s_before_after": [round(bw_before, 2), round(bw_after, 2)],
         "gemv_bw_gb_s": round(gemv_bw, 2),
-        "roofline_fraction_b1": round(pd_b1_decode_tok_s * step_bytes / 1e9 / mem_bw, 3),
+        "roofline_fraction_b1": paired["median"],
+        "roofline_fraction_b1_paired": paired,
+        "roofline_fraction_b1_run_max_bw": round(pd_b1_decode_tok_s * step_bytes / 1e9 / mem_bw, 3),
         "gemv_fraction_b1": round(pd_b1_decode_tok_s * step_bytes / 1e9 / gemv_bw, 3),
         "roofline_fraction_b1_end_to_end": round(pd_b1_tok_s * step_bytes / 1e9 / mem_bw, 3),
         "decode_split_b1": split,
         "llama_cpp": peer,
         **({"llama_cpp_roofline_fraction_b1": peer["roofline_fraction_b1"],
+            "llama_cpp_roofline_fraction_b1_run_max_bw": peer["roofline_fraction_b1_run_max_bw"],
             "ratio_decode_b1_llama_cpp": round(pd_b1_decode_tok_s / peer["decode_tok_s_b1"], 3)}
            if "decode_tok_s_b1" in peer else {}),
     }

@@ -10,6 +10,7 @@ reads whole as its output layer, plus the float16 K/V (llama.cpp's default cache
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +37,23 @@ def kv_bytes_per_token(config: dict[str, Any]) -> int:
 
 
 def llama_cpp_decode_b1(gguf: Path, venv: Path, requirement: str, prompt: list[int], max_tokens: int,
-                        threads: int, repeats: int = 2) -> dict[str, Any]:
-    """The best of `repeats` b1 runs: llama.cpp's decode tok/s and prefill ms from its own timings."""
+                        threads: int, repeats: int = 2, probe: Callable[[], float] | None = None) -> dict[str, Any]:
+    """The best of `repeats` b1 runs: llama.cpp's decode tok/s and prefill ms from its own timings; with
+    `probe`, the read bandwidth just before and after each run too (`bw_gb_s_runs`)."""
     import httpx
 
     server = LlamaCppServer(venv, requirement, gguf, listen_port(), threads, 1)
     body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "cache_prompt": False}
-    runs = []
+    runs, readings = [], []
     with server:
         server.wait_ready()
         httpx.post(f"{server.url}/completion", json={**body, "n_predict": 8}, timeout=600).raise_for_status()
         for _ in range(repeats):
+            before = probe() if probe else None
             resp = httpx.post(f"{server.url}/completion", json=body, timeout=600)
+            if probe:
+                readings.append([round(before, 2), round(probe(), 2)])
             resp.raise_for_status()
             timings = resp.json()["timings"]
             if timings["predicted_n"] != max_tokens:
@@ -57,4 +62,4 @@ def llama_cpp_decode_b1(gguf: Path, venv: Path, requirement: str, prompt: list[i
     best = max(runs, key=lambda t: t["predicted_per_second"])
     return {"decode_tok_s_b1": round(best["predicted_per_second"], 2), "prefill_ms_b1": round(best["prompt_ms"], 1),
             "decode_tok_s_runs": [round(t["predicted_per_second"], 2) for t in runs], "threads": threads,
-            "package": requirement}
+            "package": requirement, **({"bw_gb_s_runs": readings} if probe else {})}

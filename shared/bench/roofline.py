@@ -21,9 +21,13 @@ def best_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
 
 def read_bandwidth_gb_s(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Best read bandwidth over a few reductions of a >= 1 GiB float32 tensor."""
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return tensor_read_gb_s(torch.ones(num_bytes // 4, dtype=torch.float32), repeats)
+
+
+def tensor_read_gb_s(x: torch.Tensor, repeats: int = 5) -> float:
+    """Best read bandwidth over `repeats` sums and as many maxima of x (float32, far larger than the caches)."""
     seconds = min(best_time(lambda: x.sum(), repeats), best_time(lambda: x.amax(), repeats))
-    return num_bytes / seconds / 1e9
+    return x.numel() * x.element_size() / seconds / 1e9
 
 
 def gemv_bandwidth_gb_s(num_bytes: int, in_features: int = 768, repeats: int = 5) -> float:

@@ -64,7 +64,9 @@ def test_llama_cpp_decodes_the_b1_request_and_reports_its_own_timings():
         ensure_peer_venv(DEFAULT_VENV, XLLAMACPP)
     except (RuntimeError, subprocess.CalledProcessError) as exc:
         pytest.skip(f"the llama.cpp peer cannot be installed here: {exc}")
+    readings = iter([10.0, 11.0, 12.0, 13.0])  # the bandwidth before and after each run, in call order
     result = llama_cpp_decode_b1(alias_gguf_path(DEFAULT_MODEL), DEFAULT_VENV, XLLAMACPP, list(range(1000, 1064)),
-                                 16, threads=1, repeats=2)
+                                 16, threads=1, repeats=2, probe=lambda: next(readings))
+    assert result["bw_gb_s_runs"] == [[10.0, 11.0], [12.0, 13.0]]
     assert len(result["decode_tok_s_runs"]) == 2 and result["decode_tok_s_b1"] == max(result["decode_tok_s_runs"]) > 0
     assert result["prefill_ms_b1"] > 0 and result["threads"] == 1 and result["package"] == XLLAMACPP

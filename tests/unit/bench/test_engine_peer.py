@@ -49,4 +49,4 @@ def test_kv_bytes_per_token_in_an_f16_cache():
 @pytest.mark.parametrize(("model", "mode", "reason"), [
     (None, "auto", "not a GGUF file"), ("tiny", "auto", "not a GGUF file"), (None, "off", "--llama-cpp off")])
 def test_the_peer_says_why_it_did_not_run(model, mode, reason):
-    assert reason in _llama_cpp_b1(model, {}, [1, 2, 3], 4, 1, mode)["skipped"]
+    assert reason in _llama_cpp_b1(model, {}, [1, 2, 3], 4, 1, mode, lambda: 1.0)["skipped"]
