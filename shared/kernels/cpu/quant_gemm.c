@@ -1,42 +1,16 @@
-/* Weight-only quantized GEMM on CPU: y[M, N] = x[M, K] @ w[N, K]^T with
- *
- *     w[n, k] = code[n, k] * scale[n, k / group] + offset[n, k / group]
+/* Weight-only quantized GEMM on CPU: y[M, N] = x[M, K] @ w[N, K]^T over the packed layout of
+ * quant_layout.h.
  *
  * AVX-512 VNNI: the codes multiply x held in two int8 planes per 32-element block (x ~ s (hi + lo / 256),
  * relative error under 2^-15 of the block's largest |x|), int32 dot products, float32 scales and sums.
- * Elsewhere: the row dequantized exactly to float32, then a float32 dot product.
- *
- * Layout (pdserve.kernels.cpu_quant.pack), K a multiple of 64, in pair-blocks of 64 elements (two 32-element
- * blocks A, B): position p of a pair-block holds element e with p = 4 * (2 * ((e % 32) / 4) + e / 32) + e % 4,
- * so that each 4-byte lane of a 64-byte register reads one block (lane i: block i % 2);
- *   bits 8: packed [N, K] uint8, the codes at their positions;
- *   bits 4: packed [N, K / 2] uint8, in chunks of two pair-blocks: byte p of a 64-byte chunk holds position
- *           p of the even pair in its low nibble and of the odd pair in its high nibble; a last pair alone
- *           (K % 128 == 64) is 32 bytes, byte p holding position p (low nibble) and p + 32 (high);
- *   scale, offset: [N, K / group], float32, or float16 (`half`: GGUF's d and m as stored);
- *   group: 32 or a multiple of 64.
+ * Elsewhere: the row dequantized exactly to float32 (quant_dequant.c), then a float32 dot product.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include "quant_layout.h"
 
-typedef struct {
-    const uint8_t *packed;
-    const void *scale, *offset;
-    int bits, half;
-    int64_t K, group;
-} qweight;
-
-static inline float scale_at(const void *t, int half, int64_t i) {
-    return half ? (float)((const _Float16 *)t)[i] : ((const float *)t)[i];
-}
-
-static inline int64_t row_bytes(const qweight *w) { return w->bits == 4 ? w->K / 2 : w->K; }
-
-void pd_quant_dequant_row(const qweight *w, int64_t n, float *out);
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
-#include <immintrin.h>
+#if PD_QUANT_VNNI
 
 #define MT_MAX 8
 #define NT_MAX 4
@@ -86,20 +60,6 @@ static void quantize_x(const float *x, int64_t M, int64_t K, int64_t group, int8
             _mm512_storeu_si512(lo + m * K + p * 64, _mm512_permutexvar_epi32(interleave, l));
         }
     }
-}
-
-/* the 128 codes of an int4 chunk (pairs 2c and 2c + 1, as low and high nibbles of 64 bytes) */
-static inline __attribute__((always_inline)) void codes128(const uint8_t *q, __m512i *even, __m512i *odd) {
-    const __m512i b = _mm512_loadu_si512(q), low = _mm512_set1_epi8(15);
-    *even = _mm512_and_si512(b, low);
-    *odd = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
-}
-
-/* the 64 codes of an int4 pair stored alone: 32 bytes, low nibbles then high nibbles */
-static inline __attribute__((always_inline)) __m512i codes64(const uint8_t *q) {
-    const __m256i b = _mm256_loadu_si256((const __m256i *)q), low = _mm256_set1_epi8(15);
-    const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
 /* lanes alternate p[0], p[1]: the two blocks of a pair */
@@ -191,17 +151,6 @@ static inline __attribute__((always_inline)) void tile(const int NT, const int M
         for (int m = 0; m < MT; m++) y[m * N + n0 + i] = channel_sum(w, n0 + i, gsum + m * w->K / w->group, acc[i][m]);
 }
 
-/* the 64 codes of pair p of a row in position order, one byte each */
-static inline __attribute__((always_inline)) __m512i pair_codes(const qweight *w, const uint8_t *row, int64_t p) {
-    if (w->bits == 8) return _mm512_loadu_si512(row + p * 64);
-    if (p + 1 < w->K / 64 || p % 2 == 1) {
-        __m512i even, odd;
-        codes128(row + (p / 2) * 64, &even, &odd);
-        return p % 2 ? odd : even;
-    }
-    return codes64(row + p * 32); /* a last pair alone */
-}
-
 /* RT_N output channels from n0 against RT_M input rows, pairs outermost: each pair's x is loaded once for
  * all the channels and each channel's codes once for all the rows; the same sums in the same order as
  * `tile`, so the same bits. Against `tile` by channel (RT_N 1), at one thread: 1.3-1.8x at 128-2,048 rows
@@ -278,29 +227,6 @@ void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, 
 
 int pd_quant_isa(void) { return 1; } /* 1: AVX-512 VNNI, x in two int8 planes; 0: portable float32 */
 
-/* pd_quant_dequant_row, 16 elements at a time: the pair's 4-byte lanes regrouped by block (even lanes hold
- * block A, odd lanes block B, each in element order), widened to float32, code * scale + offset in one
- * fused rounding as the scalar code computes it */
-#define FAST_DEQUANT_ROW
-static void dequant_row_fast(const qweight *w, int64_t n, float *out) {
-    const int64_t K = w->K, groups = K / w->group;
-    const uint8_t *row = w->packed + n * row_bytes(w);
-    const __m512i by_block = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    for (int64_t p = 0; p < K / 64; p++) {
-        const __m512i codes = _mm512_permutexvar_epi32(by_block, pair_codes(w, row, p));
-        for (int block = 0; block < 2; block++) {
-            const int64_t g = n * groups + (p * 64 + block * 32) / w->group;
-            const __m512 d = _mm512_set1_ps(scale_at(w->scale, w->half, g));
-            const __m512 m = _mm512_set1_ps(scale_at(w->offset, w->half, g));
-            for (int j = 0; j < 2; j++) {
-                const __m128i bytes = _mm512_extracti32x4_epi32(codes, 2 * block + j);
-                const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
-                _mm512_storeu_ps(out + p * 64 + block * 32 + j * 16, _mm512_fmadd_ps(c, d, m));
-            }
-        }
-    }
-}
-
 #else /* portable: float32 activations, exact */
 
 void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, int bits, const void *scale,
@@ -327,37 +253,3 @@ int pd_quant_isa(void) { return 0; }
 
 #endif
 
-/* code at position q of pair p in one row (the layout above) */
-static inline int code_at(const uint8_t *row, int bits, int64_t K, int64_t p, int q) {
-    if (bits == 8) return row[p * 64 + q];
-    if (p + 1 < K / 64 || p % 2 == 1) return (row[(p / 2) * 64 + q] >> (4 * (p % 2))) & 15;
-    return (row[p * 32 + q % 32] >> (4 * (q / 32))) & 15; /* a last pair alone */
-}
-
-/* row n of w as float32 [K], exactly code * scale + offset; position q of a pair-block holds element
- * e = 32 * ((q / 4) % 2) + 4 * (q / 8) + q % 4 */
-void pd_quant_dequant_row(const qweight *w, int64_t n, float *out) {
-    const int64_t K = w->K, groups = K / w->group;
-    const uint8_t *row = w->packed + n * row_bytes(w);
-    for (int64_t p = 0; p < K / 64; p++)
-        for (int q = 0; q < 64; q++) {
-            const int lane = q / 4;
-            const int64_t e = p * 64 + (lane % 2) * 32 + (lane / 2) * 4 + q % 4, g = n * groups + e / w->group;
-            out[e] = (float)code_at(row, w->bits, K, p, q) * scale_at(w->scale, w->half, g)
-                     + scale_at(w->offset, w->half, g);
-        }
-}
-
-/* rows n0:n1 of w as float32 [n1 - n0, K] */
-void pd_quant_dequant(const uint8_t *packed, int bits, const void *scale, const void *offset, int half,
-                      int64_t group, int64_t n0, int64_t n1, int64_t K, float *out) {
-    const qweight w = {packed, scale, offset, bits, half, K, group};
-#pragma omp parallel for schedule(static)
-    for (int64_t n = n0; n < n1; n++) {
-#ifdef FAST_DEQUANT_ROW
-        dequant_row_fast(&w, n, out + (n - n0) * K);
-#else
-        pd_quant_dequant_row(&w, n, out + (n - n0) * K);
-#endif
-    }
-}
