@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include "simd_math.h"
 #if defined(__F16C__) && defined(__AVX__)
 #include <immintrin.h>
 #define PD_KV_HALF 1
@@ -65,8 +66,6 @@ static pd_split split_of(int64_t len, int64_t items, int threads) {
     const pd_split sp = {pieces, (len + pieces - 1) / pieces};
     return sp;
 }
-
-#include "simd_math.h"
 
 /* scores[t] <- exp(scores[t] - top); returns their sum */
 static inline float exp_sum(float *scores, int64_t span, float top) {
@@ -122,8 +121,9 @@ static inline __attribute__((always_inline)) __m512 row16(const void *cache, int
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + at + 16 * c)));
 }
 
-/* the rows PD_PREFETCH positions ahead, K and V, requested while the scores are computed: a piece's rows sit
- * 16 to a block and its blocks anywhere in the pool, too short a stride run for the hardware prefetchers */
+/* the rows PD_PREFETCH positions ahead, K and V, requested while the scores are computed (a piece's rows sit
+ * 16 to a block, its blocks anywhere in the pool), so that the V pass finds its rows cached; measured only
+ * together with the grouped heads below */
 #define PD_PREFETCH 8
 
 static inline __attribute__((always_inline)) void prefetch_rows(const void *k_cache, const void *v_cache, int half,
