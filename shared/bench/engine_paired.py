@@ -23,17 +23,19 @@ from pdserve.sampling_params import SamplingParams
 
 
 def decode_steps_tok_s(llm: LLM, prompt: list[int], max_tokens: int, request_id: str) -> float:
-    """One request through the engine's step loop: its decode steps' tokens over their time (the first
-    step, the prefill, left out)."""
+    """One request through the engine's step loop: its decode steps' tokens over their time (the steps up to
+    its first token, the prefill, left out)."""
     engine = llm.engine
     engine.add_request(GenerationRequest(
         request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
-    steps = []
+    decode_steps, prefilled = [], False
     while engine.has_unfinished():
         start = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - start)
-    return (len(steps) - 1) / sum(steps[1:])
+        deltas = engine.step()
+        if prefilled:
+            decode_steps.append(time.perf_counter() - start)
+        prefilled = prefilled or any(d.request_id == request_id and d.token_ids for d in deltas)
+    return len(decode_steps) / sum(decode_steps)
 
 
 def bandwidth_probe(probe_bytes: int = 1 << 30) -> Callable[[], float]:

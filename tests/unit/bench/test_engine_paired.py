@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.bench.engine_paired import bandwidth_probe, decode_steps_tok_s, paired_fractions, paired_roofline
-from pdserve.config import CacheConfig, EngineConfig
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLM
 from pdserve.sampling_params import SamplingParams
 
@@ -52,3 +52,25 @@ def test_a_request_with_no_decode_step_is_refused():
     with pytest.raises(ValueError, match="two output tokens"):
         paired_roofline(_llm(), [1, 2, 3], 1, 1, lambda: 1.0)
     assert decode_steps_tok_s(_llm(), [1, 2, 3], 3, "r") > 0
+
+
+def test_a_prompt_over_the_step_budget_counts_only_steps_after_its_first_token(monkeypatch):
+    """A 40-token prompt in 16-token chunks takes three steps to its first token; on a clock that gives each
+    of those 10 s and each later step 1 s, the rate is the 4 decode steps over 4 s."""
+    from pdserve.bench import engine_paired
+
+    llm = LLM(EngineConfig(model="tiny", device="cpu", dtype="float32",
+                           cache=CacheConfig(num_blocks=16, enable_prefix_caching=False),
+                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16)))
+    clock = {"now": 0.0, "steps": 0}
+    step = llm.engine.step
+
+    def stepped():
+        clock["steps"] += 1
+        clock["now"] += 10.0 if clock["steps"] <= 3 else 1.0
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", stepped)
+    monkeypatch.setattr(engine_paired.time, "perf_counter", lambda: clock["now"])
+    assert decode_steps_tok_s(llm, list(range(10, 50)), 5, "chunked") == 1.0
+    assert clock["steps"] == 3 + 4
