@@ -105,6 +105,10 @@ def parser() -> argparse.ArgumentParser:
                           help="what-if: cores the serving layer outside the replicas (Serve proxy, load client, "
                           "Ray's processes) kept busy on the report's host, taken from its cores in the model "
                           "(the reports do not measure it; default %(default)s)")
+    validate.add_argument("--replica-threads", type=int, default=None, metavar="N",
+                          help="what-if: each report's machine check (run at the host's default threads) scaled "
+                          "to N threads a replica, by the check's shapes measured here at N and at the default "
+                          "(pdserve.loadtest.machine_threads; a few minutes)")
     validate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     from pdserve.loadtest.soak import add_soak_args
 
@@ -221,7 +225,8 @@ def simulate_main(args: argparse.Namespace) -> int:
 def validate_main(args: argparse.Namespace) -> int:
     from pdserve.loadtest.validate import validate_main as validate
 
-    print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write, args.serving_cores)))
+    print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write, args.serving_cores,
+                              args.replica_threads)))
     return 0
 
 

@@ -19,11 +19,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pdserve.latency_model import LatencyProfile
 from pdserve.loadtest.evaluate import PROBE_SEED
+from pdserve.loadtest.machine_threads import thread_factors, with_thread_factors
+from pdserve.loadtest.models import resolve_model
 from pdserve.loadtest.runner import LoadConfig
 from pdserve.loadtest.scenario import Scenario
 from pdserve.loadtest.slo import SLO
@@ -191,8 +194,9 @@ def _profile_path(scenario: Scenario, report: dict[str, Any]) -> str:
 
 
 def validate(scenario: Scenario, report_path: Path, profile_path: str | None = None,
-             serving_cores: float = 0.0) -> dict[str, Any]:
-    """scenario name -> {max_abs_rel_error, figures: {name: {predicted, measured}}, calibration, ...}."""
+             serving_cores: float = 0.0, thread_factors: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """scenario name -> {max_abs_rel_error, figures: {name: {predicted, measured}}, calibration, ...}.
+    `thread_factors`: the what-if of pdserve.loadtest.machine_threads, each machine check scaled by them."""
     report = load_report(report_path)
     path = profile_path or _profile_path(scenario, report)
     profile = load_profile(path)
@@ -209,7 +213,8 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
         name, spec = target["name"], model.spec(target)
         checks = target.get("machine") or report.get("machine")
         if checks:
-            scales, source = scales_from_machine(checks[0], profile), "machine check"
+            check = with_thread_factors(checks[0], thread_factors) if thread_factors else checks[0]
+            scales, source = scales_from_machine(check, profile), "machine check"
         else:
             scales, source = fitted[0], f"fit to {targets[0]['name']}'s lowest rate"  # type: ignore[index]
         cal = model.calibrate(spec, target, scales, source)
@@ -243,16 +248,17 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
         "calibrated_on": "idle probes" + (
             f"; no machine check in the report: prefill and decode scales {fitted[0][0]:g} and {fitted[0][1]:g} "
             f"fitted on {', '.join(left_out)} (left out of the figures)" if fitted else " and machine checks"),
-        "num_cores": model.num_cores, "serving_cores": serving_cores,
+        "num_cores": model.num_cores, "serving_cores": serving_cores, "replica_thread_factors": thread_factors,
         "report": str(report_path), "report_commit": (report.get("provenance") or {}).get("commit"),
         "profile": path, "seed": scenario.seed,
     }
 
 
 def validate_main(names: list[str], reports: list[str] | None, profile: str | None, write: Path | None,
-                  serving_cores: float = 0.0) -> dict[str, Any]:
+                  serving_cores: float = 0.0, replica_threads: int | None = None) -> dict[str, Any]:
     """`reports`: one scenario's live reports (several: repeated runs, combined); default
-    loadtest/results/<name>/run-*/summary.json, else loadtest/results/<name>/summary.json."""
+    loadtest/results/<name>/run-*/summary.json, else loadtest/results/<name>/summary.json.
+    `replica_threads`: the what-if of pdserve.loadtest.machine_threads, measured here per scenario's model."""
     from pdserve.loadtest.validation_runs import combine, report_paths
 
     if reports and len(names) != 1:
@@ -261,7 +267,10 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
     for arg in names:
         scenario = load_scenario(arg)
         paths = [Path(r) for r in reports] if reports else report_paths(Path("loadtest/results") / scenario.name)
-        out[scenario.name] = combine([validate(scenario, path, profile, serving_cores) for path in paths])
+        factors = None
+        if replica_threads is not None:
+            factors = thread_factors(resolve_model(scenario.model), replica_threads)
+        out[scenario.name] = combine([validate(scenario, path, profile, serving_cores, factors) for path in paths])
     if write is not None:
         existing: dict[str, Any] = {}
         if write.exists():

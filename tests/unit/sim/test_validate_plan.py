@@ -52,6 +52,7 @@ def test_validate_puts_each_measured_figure_beside_a_prediction(monkeypatch, cap
     (["validate", "disagg-vs-colocated", "--profile", "{missing}"], "cannot read profile"),
     (["validate", "disagg-vs-colocated", "--serving-cores", "2"], "--serving-cores 2"),
     (["validate", "disagg-vs-colocated", "--serving-cores", "-0.5"], "--serving-cores -0.5"),
+    (["validate", "disagg-vs-colocated", "--replica-threads", "0"], "--replica-threads must be >= 1"),
 ])
 def test_validate_bad_input_is_one_line_and_exit_code_2(monkeypatch, tmp_path, capsys, argv, needle):
     monkeypatch.chdir(REPO)
