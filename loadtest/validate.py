@@ -264,12 +264,16 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
     if reports and len(names) != 1:
         raise ValueError("--report goes with exactly one scenario")
     out: dict[str, Any] = {}
+    measured: dict[str, dict[str, float]] = {}
     for arg in names:
         scenario = load_scenario(arg)
         paths = [Path(r) for r in reports] if reports else report_paths(Path("loadtest/results") / scenario.name)
         factors = None
         if replica_threads is not None:
-            factors = thread_factors(resolve_model(scenario.model), replica_threads)
+            model = resolve_model(scenario.model)
+            if model not in measured:  # scenarios sharing a model share one measurement
+                measured[model] = thread_factors(model, replica_threads)
+            factors = measured[model]
         out[scenario.name] = combine([validate(scenario, path, profile, serving_cores, factors) for path in paths])
     if write is not None:
         existing: dict[str, Any] = {}
