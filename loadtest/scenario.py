@@ -111,7 +111,7 @@ def run_scenario(
     port: int = 0,
 ) -> dict[str, Any]:
     """Runs every target in order and writes summary.json, summary.md and the plots into out_dir."""
-    from pdserve.loadtest.machine import check_machine, describe, profile_paths
+    from pdserve.loadtest.machine import check_machine, describe, profile_paths, replica_threads
     from pdserve.loadtest.models import resolve_model
     from pdserve.loadtest.placement_bound import scenario_bound
     from pdserve.loadtest.report import write_report
@@ -129,19 +129,21 @@ def run_scenario(
     started = time.monotonic()
     paths = profile_paths(scenario.machine_profile, (t.system for t in scenario.targets))
 
-    def machine_check(target: str) -> list[dict[str, Any]]:
-        """Before each target: the machine's speed can move between targets (a cloud VM's does)."""
-        checks = [check.to_dict() for check in check_machine(str(model), paths)]
+    def machine_check(target: TargetSpec) -> list[dict[str, Any]]:
+        """Before each target, at its replicas' threads: the machine's speed can move between targets (a
+        cloud VM's does)."""
+        threads = replica_threads(target.system)
+        checks = [check.to_dict() for check in check_machine(str(model), paths, threads=threads)]
         for check in checks:
-            log(f"[{target}] machine ({check['verdict']}): {describe(check)}")
+            log(f"[{target.name}] machine ({check['verdict']}): {describe(check)}")
         return checks
 
-    machine = machine_check(scenario.targets[0].name)  # before Ray starts: a bad profile path fails first
+    machine = machine_check(scenario.targets[0])  # before Ray starts: a bad profile path fails first
     # on a trace, what any placement could save on it, beside what each target measures
     bound = scenario_bound(scenario) if scenario.workload.get("kind") == "mooncake" else None
     with local_serve(scenario.ray, port) as local:
         for i, target in enumerate(scenario.targets):
-            checks = machine if i == 0 else machine_check(target.name)
+            checks = machine if i == 0 else machine_check(target)
             system = {"model": model, **target.system}
             app = f"loadtest-{target.name}"
             log(f"[{target.name}] deploying {system.get('mode', 'disaggregated')} system")

@@ -8,7 +8,8 @@ import json
 
 import pytest
 from pdserve.latency_model import LatencyModel, LatencyProfile
-from pdserve.loadtest.machine import SLOW_RATIO, check_machine, profile_paths
+import torch
+from pdserve.loadtest.machine import SLOW_RATIO, check_machine, describe, profile_paths, replica_threads
 from pdserve.loadtest.client import RequestResult
 from pdserve.loadtest.evaluate import TargetResult
 from pdserve.loadtest.metrics import summarize
@@ -68,6 +69,34 @@ def test_the_real_measurement_reports_every_shape(tmp_path, measured):
     assert [s[0] for s in check.shapes] == ["prefill_1024", "decode_b1_ctx1024", "decode_b8_ctx1024"]
     assert all(profiled > 0 and now > 0 for _, profiled, now in check.shapes)
     assert check.verdict in ("matches", "slower", "faster")  # timings are never asserted
+
+
+def test_replica_threads_follow_each_role_s_cpus():
+    assert replica_threads({"mode": "disaggregated", "prefill": {"num_cpus": 2}, "decode": {"num_cpus": 1}}) == {
+        "prefill": 2, "decode": 1}
+    assert replica_threads({"prefill": {"num_cpus": 0.5}}) == {"prefill": 1, "decode": 1}  # unstated: one CPU
+    # colocated replicas are the decode pool, and they prefill: a prefill section is not theirs
+    assert replica_threads({"mode": "colocated", "prefill": {"num_cpus": 4}, "decode": {"num_cpus": 3}}) == {
+        "prefill": 3, "decode": 3}
+
+
+def test_each_shape_is_timed_at_its_role_s_threads_and_threads_are_restored(tmp_path, measured):
+    default, seen = torch.get_num_threads(), []
+
+    def measure(model: str) -> LatencyModel:  # this machine, twice as slow per thread it gives up
+        seen.append(torch.get_num_threads())
+        return scaled(measured, 1.0 + (torch.get_num_threads() == 1))
+
+    path = saved(tmp_path, "p", measured)
+    (check,) = check_machine("tiny", [path], measure=measure, threads={"prefill": 1, "decode": 2})
+    assert seen == [1, 2] and torch.get_num_threads() == default
+    assert check.ratios == pytest.approx({"prefill_1024": 2.0, "decode_b1_ctx1024": 1.0, "decode_b8_ctx1024": 1.0})
+    shapes = check.to_dict()["shapes"]
+    assert [s["threads"] for s in shapes] == [1, 2, 2]
+    assert "prefill_1024" in describe(check.to_dict()) and "at 1 thread," in describe(check.to_dict())
+    (same,) = check_machine("tiny", [path], measure=measure, threads={"prefill": 2, "decode": 2})
+    assert seen == [1, 2, 2]  # one measurement per thread count
+    assert "threads" not in check_machine("tiny", [path], measure=measure)[0].to_dict()["shapes"][0]
 
 
 def one_target() -> TargetResult:

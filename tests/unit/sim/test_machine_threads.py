@@ -30,6 +30,14 @@ def test_each_shape_is_scaled_by_its_own_factor_and_the_report_is_left_alone():
         with_thread_factors(check, {k: v for k, v in FACTORS.items() if k != "decode_b8_ctx1024"})
 
 
+def test_a_shape_timed_at_the_replicas_threads_is_not_scaled_again():
+    check = json.loads(RUN.read_text())["targets"][0]["machine"][0]
+    check["shapes"][0]["threads"] = 1  # as the runner records it since it times the replicas' threads
+    scaled = with_thread_factors(check, {k: v for k, v in FACTORS.items() if k != "prefill_1024"})
+    assert scaled["shapes"][0] == check["shapes"][0]
+    assert scaled["shapes"][1]["measured_ms"] == pytest.approx(check["shapes"][1]["measured_ms"] * 1.1)
+
+
 def test_factors_are_the_shapes_time_at_n_threads_over_the_default_and_threads_are_restored():
     default = torch.get_num_threads()
     seen = []
