@@ -1,7 +1,8 @@
 """`pdserve-loadtest`: `run` (one load point against a URL), `sweep` (goodput of a URL), `scenario` (a YAML file),
 `soak` (faults and bad input under load), `bound` (what placement can save at most on a scenario's trace),
 `simulate` (a scenario through the discrete-event model, pdserve.sim: no server), `validate` (the simulator
-against a scenario's committed live report)."""
+against a scenario's committed live report), `ratio` (one target's goodput over another's across repeated
+live runs, with its interval)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,12 @@ def parser() -> argparse.ArgumentParser:
                           "to N threads a replica, by the check's shapes measured here at N and at the default "
                           "(pdserve.loadtest.machine_threads; a few minutes)")
     validate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
+    ratio = sub.add_parser("ratio", help="one target's goodput over the others' across a scenario's repeated "
+                           "live runs: per run, pooled, and a 90%% interval (pdserve.loadtest.goodput_ratio)")
+    ratio.add_argument("results", type=Path, help="a results directory: run-*/summary.json, else summary.json")
+    ratio.add_argument("--target", help="numerator (default: the reports' SLO reference target)")
+    ratio.add_argument("--baseline", action="append", help="denominator; repeat it (default: every other target)")
+    ratio.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     from pdserve.loadtest.soak import add_soak_args
 
     add_soak_args(sub.add_parser("soak", help="N requests with disconnects, bad inputs and replica kills; "
@@ -230,6 +237,13 @@ def validate_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def ratio_main(args: argparse.Namespace) -> int:
+    from pdserve.loadtest.goodput_ratio import ratio_main as ratios
+
+    print(json.dumps(ratios(args.results, args.target, args.baseline)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -238,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return soak_main(args)
         return {"run": run_main, "sweep": sweep_main, "scenario": scenario_main, "bound": bound_main,
-                "simulate": simulate_main, "validate": validate_main}[args.command](args)
+                "simulate": simulate_main, "validate": validate_main, "ratio": ratio_main}[args.command](args)
     except ValueError as exc:
         print(f"pdserve-loadtest: {exc}", file=sys.stderr)
         return 2
