@@ -25,6 +25,7 @@ from typing import Any
 
 from pdserve.latency_model import LatencyProfile
 from pdserve.loadtest.evaluate import PROBE_SEED
+from pdserve.loadtest.machine import replica_threads
 from pdserve.loadtest.machine_threads import thread_factors, with_thread_factors
 from pdserve.loadtest.models import resolve_model
 from pdserve.loadtest.runner import LoadConfig
@@ -194,9 +195,11 @@ def _profile_path(scenario: Scenario, report: dict[str, Any]) -> str:
 
 
 def validate(scenario: Scenario, report_path: Path, profile_path: str | None = None,
-             serving_cores: float = 0.0, thread_factors: Mapping[str, float] | None = None) -> dict[str, Any]:
+             serving_cores: float = 0.0, thread_factors: Mapping[str, float] | None = None,
+             replica_threads_n: int | None = None) -> dict[str, Any]:
     """scenario name -> {max_abs_rel_error, figures: {name: {predicted, measured}}, calibration, ...}.
-    `thread_factors`: the what-if of pdserve.loadtest.machine_threads, each machine check scaled by them."""
+    `thread_factors`: the what-if of pdserve.loadtest.machine_threads, each machine check scaled by them;
+    with `replica_threads_n`, only the checks of targets whose replicas all run that many threads."""
     report = load_report(report_path)
     path = profile_path or _profile_path(scenario, report)
     profile = load_profile(path)
@@ -213,7 +216,9 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
         name, spec = target["name"], model.spec(target)
         checks = target.get("machine") or report.get("machine")
         if checks:
-            check = with_thread_factors(checks[0], thread_factors) if thread_factors else checks[0]
+            scaled = thread_factors and (replica_threads_n is None or
+                                         set(replica_threads(target["system"]).values()) == {replica_threads_n})
+            check = with_thread_factors(checks[0], thread_factors) if scaled else checks[0]
             scales, source = scales_from_machine(check, profile), "machine check"
         else:
             scales, source = fitted[0], f"fit to {targets[0]['name']}'s lowest rate"  # type: ignore[index]
@@ -274,7 +279,8 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
             if model not in measured:  # scenarios sharing a model share one measurement
                 measured[model] = thread_factors(model, replica_threads)
             factors = measured[model]
-        out[scenario.name] = combine([validate(scenario, path, profile, serving_cores, factors) for path in paths])
+        out[scenario.name] = combine([validate(scenario, path, profile, serving_cores, factors, replica_threads)
+                                      for path in paths])
     if write is not None:
         existing: dict[str, Any] = {}
         if write.exists():

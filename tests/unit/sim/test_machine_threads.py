@@ -15,23 +15,23 @@ from pdserve.loadtest.scenario import Scenario
 from pdserve.loadtest.validate import validate
 
 REPO = Path(__file__).resolve().parents[3]
-RUN = REPO / "loadtest/results/disagg-vs-colocated-fixed/run-1/summary.json"
+RUN = REPO / "loadtest/results/disagg-vs-colocated/summary.json"  # its checks ran at the default threads
 FACTORS = {"prefill_1024": 1.8, "decode_b1_ctx1024": 1.1, "decode_b8_ctx1024": 1.3}
 
 
 def test_each_shape_is_scaled_by_its_own_factor_and_the_report_is_left_alone():
-    check = json.loads(RUN.read_text())["targets"][0]["machine"][0]
+    check = json.loads(RUN.read_text())["machine"][0]
     scaled = with_thread_factors(check, FACTORS)
     for before, after in zip(check["shapes"], scaled["shapes"]):
         assert after["measured_ms"] == pytest.approx(before["measured_ms"] * FACTORS[before["shape"]])
         assert after["ratio"] == pytest.approx(after["measured_ms"] / after["profile_ms"])
-    assert check == json.loads(RUN.read_text())["targets"][0]["machine"][0]
+    assert check == json.loads(RUN.read_text())["machine"][0]
     with pytest.raises(ValueError, match="decode_b8_ctx1024"):
         with_thread_factors(check, {k: v for k, v in FACTORS.items() if k != "decode_b8_ctx1024"})
 
 
 def test_a_shape_timed_at_the_replicas_threads_is_not_scaled_again():
-    check = json.loads(RUN.read_text())["targets"][0]["machine"][0]
+    check = json.loads(RUN.read_text())["machine"][0]
     check["shapes"][0]["threads"] = 1  # as the runner records it since it times the replicas' threads
     scaled = with_thread_factors(check, {k: v for k, v in FACTORS.items() if k != "prefill_1024"})
     assert scaled["shapes"][0] == check["shapes"][0]
@@ -55,10 +55,21 @@ def test_factors_are_the_shapes_time_at_n_threads_over_the_default_and_threads_a
 
 
 def test_factors_move_the_prefill_scale_by_their_prefill_factor():
-    scenario = Scenario.from_yaml(REPO / "loadtest/scenarios/disagg-vs-colocated-fixed.yaml")
+    scenario = Scenario.from_yaml(REPO / "loadtest/scenarios/disagg-vs-colocated.yaml")
     plain = validate(scenario, RUN)
     ones = validate(scenario, RUN, thread_factors=dict.fromkeys(FACTORS, 1.0))
     scaled = validate(scenario, RUN, thread_factors=FACTORS)
     assert ones["figures"] == plain["figures"] and scaled["replica_thread_factors"] == FACTORS
     for name, cal in plain["calibration"].items():
         assert scaled["calibration"][name]["prefill_scale"] == pytest.approx(cal["prefill_scale"] * 1.8)
+
+
+def test_the_what_if_scales_only_targets_whose_replicas_run_that_many_threads():
+    """disagg-vs-colocated's report: the disaggregated replicas ran one thread, its colocated replica two."""
+    scenario = Scenario.from_yaml(REPO / "loadtest/scenarios/disagg-vs-colocated.yaml")
+    plain = validate(scenario, RUN)
+    one = validate(scenario, RUN, thread_factors=FACTORS, replica_threads_n=1)
+    assert one["calibration"]["disaggregated"]["prefill_scale"] == pytest.approx(
+        plain["calibration"]["disaggregated"]["prefill_scale"] * 1.8)
+    for name in ("colocated-no-chunking", "colocated-chunked"):
+        assert one["calibration"][name]["prefill_scale"] == pytest.approx(plain["calibration"][name]["prefill_scale"])
