@@ -33,7 +33,9 @@ from pdserve.loadtest.scenario import Scenario
 from pdserve.loadtest.slo import SLO
 from pdserve.loadtest.sweep import SweepConfig, find_goodput
 from pdserve.loadtest.workloads import Workload, workload
-from pdserve.sim.calibrate import CPUAccount, Calibration, rel_error, scales_from_machine, serving_costs
+from pdserve.sim.calibrate import (
+    CPUAccount, Calibration, cached_prefill_scale, rel_error, scales_from_machine, serving_costs,
+)
 from pdserve.sim.cluster import Simulation
 from pdserve.sim.config import ClusterSpec
 from pdserve.sim.results import aggregate
@@ -110,13 +112,14 @@ class Model:
         return aggregate(cal.records(records), self.slo, rate, self.load.max_duration_s), sim.cpu_seconds()
 
     def calibrate(self, spec: ClusterSpec, target: dict[str, Any], scales: tuple[float, float, float],
-                  source: str) -> Calibration:
-        scaled = Calibration(*scales, source=source)
+                  source: str, cached_scale: float | None = None) -> Calibration:
+        scaled = Calibration(*scales, source=source, prefill_cached_scale=cached_scale)
         probe = requests_for(self.work, LoadConfig(64, 1.0, "poisson", 1.0, PROBE_SEED), 1.0, spec.decode.block_size)
         sim = idle_latency(spec, scaled.profile(self.profile), probe)
         live = target["idle"]
         ttft, relay = serving_costs(live["ttft_ms"] / 1e3, live["tpot_ms"] / 1e3, sim.ttft_s, sim.tpot_s)
-        cal = Calibration(*scales, serving_ttft_s=ttft, relay_token_s=relay, source=source)
+        cal = Calibration(*scales, serving_ttft_s=ttft, relay_token_s=relay, source=source,
+                          prefill_cached_scale=cached_scale)
         low = min(target["points"], key=lambda p: p["rate"])
         account = CPUAccount.of(low, target.get("quiet_cpu_s"))
         if account is None:
@@ -220,9 +223,11 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
                                          set(replica_threads(target["system"]).values()) == {replica_threads_n})
             check = with_thread_factors(checks[0], thread_factors) if scaled else checks[0]
             scales, source = scales_from_machine(check, profile), "machine check"
+            cached = cached_prefill_scale(check, profile, scales[0])
         else:
             scales, source = fitted[0], f"fit to {targets[0]['name']}'s lowest rate"  # type: ignore[index]
-        cal = model.calibrate(spec, target, scales, source)
+            cached = None
+        cal = model.calibrate(spec, target, scales, source, cached)
         calibrations[name] = {**cal.to_dict(), "idle_measured_ms": target["idle"]}
         lowest = min(p["rate"] for p in target["points"])
         for point in sorted(target["points"], key=lambda p: p["rate"]):

@@ -48,11 +48,14 @@ class Calibration:
     serving_cpu_token_s: float = 0.0  # the host's CPU per token outside the replicas (proxy, router, client)
     background_cores: float = 0.0  # what the host burns with no load (Ray, Serve, idle loops), in cores
     source: str = "none"  # where the scales came from
+    prefill_cached_scale: float | None = None  # the prefill's n x cached term; None: prefill_scale
 
     def __post_init__(self) -> None:
         for name in ("prefill_scale", "decode_fixed_scale", "decode_row_scale"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.prefill_cached_scale is not None and not self.prefill_cached_scale > 0:
+            raise ValueError(f"prefill_cached_scale must be > 0, got {self.prefill_cached_scale}")
         for name in ("serving_ttft_s", "relay_token_s", "off_step_cpu_token_s", "serving_cpu_token_s",
                      "background_cores"):
             if getattr(self, name) < 0:
@@ -66,8 +69,9 @@ class Calibration:
 
     def model(self, m: LatencyModel) -> LatencyModel:
         p, d, s = m.prefill, m.decode, self.prefill_scale
+        cached = s if self.prefill_cached_scale is None else self.prefill_cached_scale
         return dataclasses.replace(
-            m, prefill=PrefillModel(p.a * s, p.b * s, p.c * s, p.d * s),
+            m, prefill=PrefillModel(p.a * s, p.b * s, p.c * s, p.d * cached),
             decode=DecodeModel(d.a * self.decode_fixed_scale, d.b * self.decode_row_scale + self.relay_token_s,
                                d.c * self.decode_row_scale))
 
@@ -100,6 +104,19 @@ def scales_from_machine(check: Mapping[str, Any], profile: LatencyProfile) -> tu
     if f <= 0 or r <= 0:
         f = r = m8 / d.step_s(8, 8 * CTX)
     return prefill, f, r
+
+
+def cached_prefill_scale(check: Mapping[str, Any], profile: LatencyProfile, prefill_scale: float) -> float | None:
+    """The scale of the profile's n x cached prefill term, from a check's `prefill_512_cached1024` shape: what
+    that shape measured beyond the uncached part at `prefill_scale`, over the profile's term. None without
+    the shape (reports before it), or when the profile has no such term or the excess is not positive."""
+    shapes = {s["shape"]: s["measured_ms"] / 1e3 for s in check["shapes"]}
+    if "prefill_512_cached1024" not in shapes:
+        return None
+    p = profile.for_role("prefill").prefill
+    term = p.d * 512 * 1024
+    excess = shapes["prefill_512_cached1024"] - prefill_scale * p.time_s(512)
+    return excess / term if term > 0 and excess > 0 else None
 
 
 def off_step_cpu(measured_s: float, modelled_s: float, tokens: int) -> float:

@@ -60,13 +60,15 @@ def test_verdict_follows_the_ratio_of_measured_to_profiled_time(tmp_path, measur
     checks = check_machine("tiny", [same, fast_vm, slow_vm], measure=lambda m: measured)
     assert [c.profile_path for c in checks] == [same, fast_vm, slow_vm]
     assert [c.verdict for c in checks] == ["matches", "slower", "faster"]
-    assert checks[0].ratios == pytest.approx({"prefill_1024": 1.0, "decode_b1_ctx1024": 1.0, "decode_b8_ctx1024": 1.0})
+    assert checks[0].ratios == pytest.approx({"prefill_1024": 1.0, "decode_b1_ctx1024": 1.0, "decode_b8_ctx1024": 1.0,
+                                              "prefill_512_cached1024": 1.0})
     assert checks[1].slowest == pytest.approx(2 * SLOW_RATIO)
 
 
 def test_the_real_measurement_reports_every_shape(tmp_path, measured):
     (check,) = check_machine("tiny", [saved(tmp_path, "p", measured)])  # measured again, for real
-    assert [s[0] for s in check.shapes] == ["prefill_1024", "decode_b1_ctx1024", "decode_b8_ctx1024"]
+    assert [s[0] for s in check.shapes] == ["prefill_1024", "decode_b1_ctx1024", "decode_b8_ctx1024",
+                                            "prefill_512_cached1024"]
     assert all(profiled > 0 and now > 0 for _, profiled, now in check.shapes)
     assert check.verdict in ("matches", "slower", "faster")  # timings are never asserted
 
@@ -90,13 +92,23 @@ def test_each_shape_is_timed_at_its_role_s_threads_and_threads_are_restored(tmp_
     path = saved(tmp_path, "p", measured)
     (check,) = check_machine("tiny", [path], measure=measure, threads={"prefill": 1, "decode": 2})
     assert seen == [1, 2] and torch.get_num_threads() == default
-    assert check.ratios == pytest.approx({"prefill_1024": 2.0, "decode_b1_ctx1024": 1.0, "decode_b8_ctx1024": 1.0})
+    assert check.ratios == pytest.approx({"prefill_1024": 2.0, "decode_b1_ctx1024": 1.0, "decode_b8_ctx1024": 1.0,
+                                          "prefill_512_cached1024": 2.0})
     shapes = check.to_dict()["shapes"]
-    assert [s["threads"] for s in shapes] == [1, 2, 2]
+    assert [s["threads"] for s in shapes] == [1, 2, 2, 1]
     assert "prefill_1024" in describe(check.to_dict()) and "at 1 thread," in describe(check.to_dict())
     (same,) = check_machine("tiny", [path], measure=measure, threads={"prefill": 2, "decode": 2})
     assert seen == [1, 2, 2]  # one measurement per thread count
     assert "threads" not in check_machine("tiny", [path], measure=measure)[0].to_dict()["shapes"][0]
+
+
+def test_the_cached_prefix_shape_does_not_decide_the_verdict(tmp_path, measured):
+    """A profile that under-prices a long cached prefix is a fit's fault, not a slower machine's."""
+    p = measured.prefill
+    cheap_cache = dataclasses.replace(measured, prefill=dataclasses.replace(p, d=p.d / 4))
+    (check,) = check_machine("tiny", [saved(tmp_path, "p", cheap_cache)], measure=lambda m: measured)
+    assert check.ratios["prefill_512_cached1024"] > 1.0 or p.d == 0
+    assert check.slowest == pytest.approx(1.0) and check.verdict == "matches"
 
 
 def one_target() -> TargetResult:

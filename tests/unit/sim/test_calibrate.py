@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pdserve.sim.calibrate import (
+    cached_prefill_scale,
     CTX,
     Calibration,
     CPUAccount,
@@ -158,3 +159,21 @@ def test_background_cores_slow_every_step_on_a_shared_host(profile):
     assert ttft(0.5) == pytest.approx(1.5 * ttft(0.0))
     with pytest.raises(ValueError, match="background_cores"):
         ClusterSpec(background_cores=-0.1)
+
+
+def test_the_cached_prefix_term_scales_on_its_own_shape(profile):
+    """A check whose cached-prefix shape took longer than its uncached part predicts scales the profile's
+    n x cached term alone; a report without the shape leaves it at the prefill scale."""
+    p = profile.for_role("prefill").prefill
+    uncached = 1.5 * p.time_s(512)
+    check = {"shapes": [{"shape": "prefill_512_cached1024", "measured_ms": (uncached + 3.0 * p.d * 512 * 1024) * 1e3}]}
+    scale = cached_prefill_scale(check, profile, 1.5)
+    assert scale == pytest.approx(3.0) or p.d == 0
+    cal = Calibration(1.5, 1.0, 1.0, prefill_cached_scale=scale)
+    m = cal.profile(profile).for_role("prefill")
+    assert m.prefill_time_s(512, 1024) * 1e3 == pytest.approx(check["shapes"][0]["measured_ms"])
+    assert m.prefill_time_s(512) == pytest.approx(uncached)
+    assert cached_prefill_scale({"shapes": []}, profile, 1.5) is None
+    assert Calibration(1.5, 1.0, 1.0).profile(profile).for_role("prefill").prefill.d == pytest.approx(1.5 * p.d)
+    with pytest.raises(ValueError, match="prefill_cached_scale"):
+        Calibration(1.0, 1.0, 1.0, prefill_cached_scale=0.0)
