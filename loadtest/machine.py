@@ -4,9 +4,10 @@ A scenario's absolute SLOs, and the predictions of every router that reads a pro
 machine; on a slower one every goodput figure moves. Before a scenario deploys anything, the runner
 measures the quick profile (what `pdserve profile --quick` measures) on the scenario's model and compares
 it with each profile file the scenario names, at reference shapes: a 1024-token prefill, decode steps of 1
-and 8 sequences at 1024 tokens of context each, and 512 new tokens behind a 1024-token cached prefix. The ratios (measured / profiled) go into summary.json
-and summary.md, with a verdict: `slower` when a ratio is above `SLOW_RATIO`, `faster` when one is below its
-inverse, else `matches`.
+and 8 sequences at 1024 tokens of context each, and 512 new tokens behind a 1024-token cached prefix. The
+ratios (measured / profiled) go into summary.json and summary.md, with a verdict from the first three
+(`SPEED_SHAPES`): `slower` when a ratio is above `SLOW_RATIO`, `faster` when one is below its inverse, else
+`matches`. The cached-prefix shape also measures how well the profile's fit prices a prefix hit.
 
 Each shape is timed at the torch threads of the replicas that run it (`replica_threads`: a one-CPU replica
 runs one thread), not at the load-test process's default: on the 2-core VM one thread against two made a
