@@ -23,13 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-BOUNDS = ("exact", "at_least", "below")
-
-
 @dataclass(frozen=True)
 class Goodput:
     rps: float
-    bound: str  # one of BOUNDS
+    bound: str  # "exact", "at_least" (every rate passed) or "below" (none did)
 
 
 def crossing(points: Sequence[tuple[float, float]], target: float) -> Goodput:

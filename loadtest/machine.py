@@ -49,16 +49,19 @@ class MachineCheck:
         return {name: measured / profiled for name, profiled, measured in self.shapes}
 
     @property
+    def speed_ratios(self) -> list[float]:
+        """The ratios of the speed shapes (a cached-prefix shape measures the profile's fit too)."""
+        return [r for name, r in self.ratios.items() if name in SPEED_SHAPES]
+
+    @property
     def slowest(self) -> float:
-        """The worst ratio over the speed shapes (a cached-prefix shape measures the profile's fit too)."""
-        return max(r for name, r in self.ratios.items() if name in SPEED_SHAPES)
+        return max(self.speed_ratios)
 
     @property
     def verdict(self) -> str:
         if self.slowest > SLOW_RATIO:
             return "slower"
-        fastest = min(r for name, r in self.ratios.items() if name in SPEED_SHAPES)
-        return "faster" if fastest < 1 / SLOW_RATIO else "matches"
+        return "faster" if min(self.speed_ratios) < 1 / SLOW_RATIO else "matches"
 
     def to_dict(self) -> dict[str, Any]:
         threads = dict(self.threads)
