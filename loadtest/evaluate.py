@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pdserve.loadtest.batch_probe import BatchProbe
 from pdserve.loadtest.distributions import Fixed
 from pdserve.loadtest.metrics import request_metrics
 from pdserve.loadtest.runner import LoadConfig, Run, run_load, run_point
@@ -39,6 +40,7 @@ class TargetResult:
     quiet_cpu: dict[str, Any] | None = None
     # the machine checks measured just before this target was deployed (pdserve.loadtest.machine)
     machine: list[dict[str, Any]] = field(default_factory=list)
+    batch_probe: BatchProbe | None = None  # k requests decoding together, before the sweep
 
     def attainment_at(self, rate: float) -> float:
         return self.sweep.points[rate]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pdserve.loadtest.batch_probe import BatchProbeSpec, measure_batch
 from pdserve.loadtest.client import new_client, served_model
 from pdserve.loadtest.evaluate import TargetResult, measure_idle, measure_quiet_cpu, sweep_target
 from pdserve.loadtest.provenance import provenance
@@ -65,6 +66,7 @@ class Scenario(BaseModel):
     sweep: SweepSpec = Field(default_factory=SweepSpec)
     slo: dict[str, float] = Field(default_factory=lambda: {"ttft_factor": 5.0, "tpot_factor": 2.0})
     idle_requests: int = Field(3, ge=1)
+    batch_probe_requests: int = Field(8, ge=0)  # the batch probe's k (pdserve.loadtest.batch_probe); 0: none
     # the latency profile this scenario's absolute SLOs were set against: the runner measures this machine
     # first and reports how much slower or faster it is (pdserve.loadtest.machine); so is every profile a
     # target's router reads
@@ -151,6 +153,10 @@ def run_scenario(
                 name = _served_name(url)
                 idle = measure_idle(url, name, tokens, work, scenario.idle_requests)
                 log(f"[{target.name}] idle TTFT {idle.ttft_s * 1e3:.0f} ms, TPOT {idle.tpot_s * 1e3:.1f} ms")
+                batch = None
+                if scenario.batch_probe_requests:
+                    batch = measure_batch(url, name, tokens, BatchProbeSpec(k=scenario.batch_probe_requests))
+                    log(f"[{target.name}] batch probe: {batch.spec.k} together, TPOT {batch.tpot_s * 1e3:.2f} ms")
                 if slo is None:
                     slo = slo_spec.resolve(idle)
                     log(f"SLO (from {target.name}): TTFT <= {slo.ttft_s * 1e3:.0f} ms, "
@@ -159,6 +165,7 @@ def run_scenario(
                 result = sweep_target(target.name, url, name, tokens, work, load, sweep, slo, out_dir,
                                       idle=idle, progress=progress, log=log, app=app)
                 result.system, result.machine, result.quiet_cpu = system, checks, quiet
+                result.batch_probe = batch
                 results.append(result)
                 log(f"[{target.name}] goodput {result.sweep.goodput:.3g} req/s"
                     + (" (every rate passed: at least)" if result.sweep.capped else ""))

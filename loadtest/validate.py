@@ -8,7 +8,9 @@ does not record it), and the latency profile its routers or machine check named.
 - CPU scales from the target's machine check (the scenario's when the target has none); a report without
   any (router-policies) gets one scale for every coefficient, the one that best fits its reference target's
   lowest-rate point, and that point is then left out of the comparison;
-- the serving layer's TTFT delay and per-token relay cost from the target's idle probe.
+- the serving layer's time per decode step from the target's batch probe (k requests decoding together),
+  and its TTFT delay from the idle probe; reports without a batch probe get a per-token relay cost from the
+  idle probe's TPOT instead.
 
 Then every measured sweep point (TTFT p50/p90, TPOT p50/p90, in ms) and each target's goodput (the
 DistServe rate, by the load tests' own sweep) are predicted and put beside the measured figure.
@@ -34,12 +36,12 @@ from pdserve.loadtest.slo import SLO
 from pdserve.loadtest.sweep import SweepConfig, find_goodput
 from pdserve.loadtest.workloads import Workload, workload
 from pdserve.sim.calibrate import (
-    CPUAccount, Calibration, cached_prefill_scale, rel_error, scales_from_machine, serving_costs,
+    CPUAccount, Calibration, cached_prefill_scale, rel_error, scales_from_machine, serving_costs, serving_step,
 )
 from pdserve.sim.cluster import Simulation
 from pdserve.sim.config import ClusterSpec
 from pdserve.sim.results import aggregate
-from pdserve.sim.scenario import cluster_spec, idle_latency, load_profile
+from pdserve.sim.scenario import batch_latency, cluster_spec, idle_latency, load_profile
 from pdserve.sim.workload import requests_for
 
 TARGET_ERROR = 0.2
@@ -114,12 +116,16 @@ class Model:
     def calibrate(self, spec: ClusterSpec, target: dict[str, Any], scales: tuple[float, float, float],
                   source: str, cached_scale: float | None = None) -> Calibration:
         scaled = Calibration(*scales, source=source, prefill_cached_scale=cached_scale)
+        batch = target.get("batch_probe")
+        if batch:  # the serving cost on every step, from k requests decoding together
+            k, prompt, output = int(batch["k"]), int(batch["prompt_len"]), int(batch["output_len"])
+            sim_tpot = batch_latency(spec, scaled.profile(self.profile), k, prompt, output)
+            scaled = dataclasses.replace(scaled, serving_step_s=serving_step(batch["tpot_ms"] / 1e3, sim_tpot))
         probe = requests_for(self.work, LoadConfig(64, 1.0, "poisson", 1.0, PROBE_SEED), 1.0, spec.decode.block_size)
         sim = idle_latency(spec, scaled.profile(self.profile), probe)
         live = target["idle"]
         ttft, relay = serving_costs(live["ttft_ms"] / 1e3, live["tpot_ms"] / 1e3, sim.ttft_s, sim.tpot_s)
-        cal = Calibration(*scales, serving_ttft_s=ttft, relay_token_s=relay, source=source,
-                          prefill_cached_scale=cached_scale)
+        cal = dataclasses.replace(scaled, serving_ttft_s=ttft, relay_token_s=0.0 if batch else relay)
         low = min(target["points"], key=lambda p: p["rate"])
         account = CPUAccount.of(low, target.get("quiet_cpu_s"))
         if account is None:

@@ -9,17 +9,21 @@ A profile times one engine alone on the machine it was measured on. A live load-
 - **Serving layer on the TTFT path** (`serving_ttft_s`): HTTP, the Serve proxy, tokenisation, placement,
   the handoff's control messages, the first SSE event. A fixed delay per request that holds no engine: a
   delay on every arrival shifts the whole run, so it is added to each record's first-token and finish time.
-- **Relay per token** (`relay_token_s`): each generated token crossing replica -> router -> proxy as its own
-  message. It costs the replica's CPU per sequence per step, so it is added to the decode step's per-row
-  term `b` (it grows with the batch; at batch 1 it adds exactly itself to TPOT).
+- **Serving per step** (`serving_step_s`): what the replica's loop, the token streams and the relay to the
+  router add to each decode step, from the target's batch probe (pdserve.loadtest.batch_probe: k requests
+  decoding together, against the simulator's same k). Measured on this repository's VMs it hardly grows with
+  the batch (about 1.1 ms a step at k = 2, 4 and 8), so it is added to the step's fixed term `a`.
+- **Relay per token** (`relay_token_s`): for reports without a batch probe, the idle probe's TPOT gap, added
+  to the decode step's per-row term `b` (at batch 1 it adds exactly itself to TPOT). One request alone
+  streams more slowly than requests sharing steps, so under load this over-prices every row.
 - **Off-step CPU per token** (`off_step_cpu_token_s`): what the replicas burn per generated token beyond the
   steps' time, which overlaps the next step at idle and takes cores under load (pdserve.sim.host); and
   what the rest of the host burns per token (`serving_cpu_token_s`: router, Serve proxy, load client) and
   all the time (`background_cores`). `CPUAccount` takes them from a report's measured CPU.
 
 The scales and serving costs are calibrated from idle measurements only: the scales from the machine
-check (an engine alone), the serving costs from the target's idle probe (one request alone) minus the
-scaled simulator's idle figures. The CPU terms come from the target's lowest-rate point and its quiet
+check (an engine alone), the serving costs from the target's idle probe (one request alone) and batch probe
+minus the scaled simulator's figures for the same requests. The CPU terms come from the target's lowest-rate point and its quiet
 window (validate then compares the model's CPU with the measured at the other rates).
 """
 
@@ -44,6 +48,7 @@ class Calibration:
     decode_row_scale: float = 1.0
     serving_ttft_s: float = 0.0
     relay_token_s: float = 0.0
+    serving_step_s: float = 0.0  # the serving layer's time per decode step, whatever its batch (a batch probe)
     off_step_cpu_token_s: float = 0.0  # a replica's CPU per token outside its steps (pdserve.sim.host)
     serving_cpu_token_s: float = 0.0  # the host's CPU per token outside the replicas (proxy, router, client)
     background_cores: float = 0.0  # what the host burns with no load (Ray, Serve, idle loops), in cores
@@ -56,7 +61,7 @@ class Calibration:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.prefill_cached_scale is not None and not self.prefill_cached_scale > 0:
             raise ValueError(f"prefill_cached_scale must be > 0, got {self.prefill_cached_scale}")
-        for name in ("serving_ttft_s", "relay_token_s", "off_step_cpu_token_s", "serving_cpu_token_s",
+        for name in ("serving_ttft_s", "relay_token_s", "serving_step_s", "off_step_cpu_token_s", "serving_cpu_token_s",
                      "background_cores"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -72,7 +77,7 @@ class Calibration:
         cached = s if self.prefill_cached_scale is None else self.prefill_cached_scale
         return dataclasses.replace(
             m, prefill=PrefillModel(p.a * s, p.b * s, p.c * s, p.d * cached),
-            decode=DecodeModel(d.a * self.decode_fixed_scale, d.b * self.decode_row_scale + self.relay_token_s,
+            decode=DecodeModel(d.a * self.decode_fixed_scale + self.serving_step_s, d.b * self.decode_row_scale + self.relay_token_s,
                                d.c * self.decode_row_scale))
 
     def profile(self, profile: LatencyProfile) -> LatencyProfile:
@@ -168,6 +173,12 @@ def serving_costs(live_ttft_s: float, live_tpot_s: float, sim_ttft_s: float, sim
     """(serving_ttft_s, relay_token_s): what the idle probe measured beyond the scaled simulator's idle
     request; never negative (a live figure below the simulated one leaves that cost at 0)."""
     return max(0.0, live_ttft_s - sim_ttft_s), max(0.0, live_tpot_s - sim_tpot_s)
+
+
+def serving_step(live_tpot_s: float, sim_tpot_s: float) -> float:
+    """The serving layer's time per decode step: what a batch probe's TPOT measured beyond the simulator's for
+    the same requests (every decode step of the probe carries the cost once); never negative."""
+    return max(0.0, live_tpot_s - sim_tpot_s)
 
 
 def rel_error(predicted: float, measured: float) -> float:

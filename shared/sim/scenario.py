@@ -74,6 +74,15 @@ def idle_latency(spec: ClusterSpec, profile: LatencyProfile, requests: list[SimR
     return IdleLatency(record.ttft_s, record.tpot_s)  # type: ignore[arg-type]
 
 
+def batch_latency(spec: ClusterSpec, profile: LatencyProfile, k: int, prompt_tokens: int, output_tokens: int) -> float:
+    """Median TPOT of `k` requests of these lengths arriving together on an idle system (what
+    pdserve.loadtest.batch_probe measures live)."""
+    import statistics
+
+    records = Simulation(spec, profile, [SimRequest(i, 0.0, prompt_tokens, output_tokens) for i in range(k)]).run()
+    return statistics.median(r.tpot_s for r in records)  # type: ignore[type-var]
+
+
 def simulate_scenario(scenario: Scenario, profile: LatencyProfile, rates: tuple[float, ...] | None = None,
                       num_requests: int | None = None) -> dict[str, Any]:
     """Per target: the figures at each rate (the scenario's sweep grid, or `rates`) and the goodput."""

@@ -12,7 +12,9 @@ from pdserve.sim.calibrate import (
     rel_error,
     scales_from_machine,
     serving_costs,
+    serving_step,
 )
+from pdserve.sim.scenario import batch_latency
 from pdserve.sim.cluster import Simulation
 from pdserve.sim.config import ClusterSpec, EngineSpec, SimRequest
 from pdserve.sim.host import OffStepLoad
@@ -177,3 +179,35 @@ def test_the_cached_prefix_term_scales_on_its_own_shape(profile):
     assert Calibration(1.5, 1.0, 1.0).profile(profile).for_role("prefill").prefill.d == pytest.approx(1.5 * p.d)
     with pytest.raises(ValueError, match="prefill_cached_scale"):
         Calibration(1.0, 1.0, 1.0, prefill_cached_scale=0.0)
+
+
+def test_serving_step_is_the_batch_probes_gap_and_never_negative():
+    assert serving_step(0.0057, 0.0045) == pytest.approx(0.0012)
+    assert serving_step(0.004, 0.0045) == 0.0
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_the_serving_step_adds_once_to_every_decode_step_whatever_the_batch(profile, batch):
+    cal = Calibration(1.0, 1.0, 1.0, serving_step_s=0.0011)
+    base, m = profile.for_role("decode"), cal.profile(profile).for_role("decode")
+    assert m.decode_step_s(batch, 512 * batch) == pytest.approx(base.decode_step_s(batch, 512 * batch) + 0.0011)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_batch_probe_gets_its_live_tpot_back(profile, mode):
+    """Calibrated from k requests decoding together, the simulator returns their live TPOT."""
+    spec = ClusterSpec(mode=mode, num_decode=1)
+    scaled = Calibration(1.4, 1.3, 1.6)
+    sim = batch_latency(spec, scaled.profile(profile), 8, 64, 128)
+    live = sim + 0.0012
+    cal = Calibration(1.4, 1.3, 1.6, serving_step_s=serving_step(live, sim))
+    assert batch_latency(spec, cal.profile(profile), 8, 64, 128) == pytest.approx(live, rel=0.02)
+
+
+def test_a_batch_probes_requests_decode_together(profile):
+    """k requests arriving together: every TPOT is at least the batch-k step, and above one request alone."""
+    spec = ClusterSpec(mode="disaggregated", num_decode=1)
+    d = profile.for_role("decode")
+    alone, eight = (batch_latency(spec, profile, k, 64, 128) for k in (1, 8))
+    assert eight > alone >= d.decode_step_s(1, 64)
+    assert eight >= d.decode_step_s(8, 8 * 64)
