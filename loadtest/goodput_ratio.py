@@ -44,6 +44,15 @@ def crossing(points: Sequence[tuple[float, float]], target: float) -> Goodput:
     return Goodput(r0 + (r1 - r0) * (a0 - target) / (a0 - a1), "exact")
 
 
+def crossing_figure(predicted: Mapping[float, float], measured: Sequence[Mapping[str, Any]], goal: float
+                    ) -> dict[str, Any]:
+    """A validation figure: the goodput at the crossing, from the simulator's rate -> attainment against a
+    report target's points, each with its bound."""
+    p = crossing(list(predicted.items()), goal)
+    m = crossing([(pt["rate"], pt["attainment"]) for pt in measured], goal)
+    return {"predicted": p.rps, "measured": m.rps, "predicted_bound": p.bound, "measured_bound": m.bound}
+
+
 def ratio(a: Goodput, b: Goodput) -> tuple[float | None, str]:
     """(a / b, its bound): exact, at_least, at_most or unknown (None when nothing can be said)."""
     if b.rps <= 0:

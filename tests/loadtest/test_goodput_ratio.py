@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from pdserve.loadtest.goodput_ratio import Goodput, bootstrap, crossing, goodput_ratios, pooled, ratio
+from pdserve.loadtest.goodput_ratio import (
+    Goodput, bootstrap, crossing, crossing_figure, goodput_ratios, pooled, ratio,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FIXED = REPO / "loadtest/results/disagg-vs-colocated-fixed"
@@ -27,6 +29,13 @@ FIXED = REPO / "loadtest/results/disagg-vs-colocated-fixed"
 def test_goodput_is_where_attainment_crosses_the_target(points, expected):
     got = crossing(points, 0.9)
     assert got.bound == expected.bound and got.rps == pytest.approx(expected.rps)
+
+
+def test_a_validation_figure_reads_both_sides_at_their_crossing():
+    measured = [{"rate": 1.0, "attainment": 1.0}, {"rate": 1.5, "attainment": 0.8}, {"rate": 2.0, "attainment": 0.5}]
+    figure = crossing_figure({1.0: 0.95, 1.5: 0.97, 2.0: 0.93}, measured, 0.9)
+    assert figure == {"predicted": 2.0, "measured": pytest.approx(1.25), "predicted_bound": "at_least",
+                      "measured_bound": "exact"}
 
 
 @pytest.mark.parametrize("a, b, expected", [

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from pdserve.loadtest.cli import main as loadtest_main
+from pdserve.loadtest.goodput_ratio import crossing
 from pdserve.sim.cli import main as sim_main
 from pdserve.sim.config import SimRequest
 from pdserve.sim.plan import PlanSpec, find_rate, plan_cluster, trace_lengths
@@ -33,8 +34,13 @@ def test_validate_puts_each_measured_figure_beside_a_prediction(monkeypatch, cap
     assert set(result["figures"]) == expected
     for name, fig in result["figures"].items():
         assert isinstance(fig["predicted"], float) and isinstance(fig["measured"], float), name
-    goodput = result["figures"]["disaggregated/goodput_rps"]
-    assert goodput["measured"] == report["targets"][0]["goodput"]
+    goodput = result["figures"]["disaggregated/goodput_rps"]  # where attainment crosses the target
+    points = [(p["rate"], p["attainment"]) for p in report["targets"][0]["points"]]
+    assert goodput["measured"] == pytest.approx(crossing(points, report["attainment_target"]).rps)
+    assert goodput["measured_bound"] in ("exact", "at_least", "below")
+    grid = result["grid_figures"]  # the sweep's own goodput, beside the figures and not counted in them
+    assert set(grid) == {f"{t['name']}/grid_goodput_rps" for t in report["targets"]}
+    assert grid["disaggregated/grid_goodput_rps"]["measured"] == report["targets"][0]["goodput"]
     p = next(p for p in report["targets"][0]["points"] if p["rate"] == 0.25)
     assert result["figures"]["disaggregated/0.25/ttft_p90_ms"]["measured"] == p["summary"]["ttft_ms"]["p90"]
     errors = [abs(f["predicted"] - f["measured"]) / f["measured"] for f in result["figures"].values() if f["measured"]]
@@ -148,8 +154,9 @@ def test_serving_cores_are_taken_from_the_hosts_cores(monkeypatch, capsys):
 def test_repeated_runs_are_combined_per_figure_as_medians_with_their_ranges():
     from pdserve.loadtest.validation_runs import combine
 
-    def run(measured, predicted):
+    def run(measured, predicted, bound="exact"):
         return {"figures": {"a/1/ttft_p50_ms": {"predicted": predicted, "measured": measured}}, "report": "r",
+                "grid_figures": {"a/grid_goodput_rps": {"predicted": 1.0, "measured": measured / 100}},
                 "max_abs_rel_error": abs(predicted - measured) / measured}
 
     out = combine([run(100.0, 110.0), run(140.0, 120.0), run(90.0, 100.0)])
@@ -159,6 +166,9 @@ def test_repeated_runs_are_combined_per_figure_as_medians_with_their_ranges():
     assert fig["measured_spread"] == pytest.approx(0.25) and fig["within_measured_range"]
     assert fig["rel_error"] == pytest.approx(0.1) and out["max_abs_rel_error"] == pytest.approx(0.1)
     assert (out["repetitions"], out["num_within_target"], out["num_measured_spread_over_target"]) == (3, 1, 1)
+    grid = out["grid_figures"]["a/grid_goodput_rps"]  # combined the same way, not counted
+    assert (grid["measured"], grid["predicted"], grid["measured_range"]) == (1.0, 1.0, [0.9, 1.4])
+    assert out["num_figures"] == 1
     single = run(100.0, 110.0)
     assert combine([single]) is single
 
