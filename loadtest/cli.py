@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+SERVING_COSTS = ("step", "relay")  # pdserve.loadtest.validate: the serving layer's decode time, per step or per row
+
 
 def length_spec(text: str) -> int | dict[str, Any]:
     """'128' or 'lognormal:mean=1500,std=500,min=64,max=3500' / 'uniform:low=1,high=9'."""
@@ -110,6 +112,10 @@ def parser() -> argparse.ArgumentParser:
                           help="what-if: each report's machine check (run at the host's default threads) scaled "
                           "to N threads a replica, by the check's shapes measured here at N and at the default "
                           "(pdserve.loadtest.machine_threads; a few minutes)")
+    validate.add_argument("--serving-cost", choices=SERVING_COSTS, default=SERVING_COSTS[0],
+                          help="how the serving layer's decode time is calibrated: per step from each target's "
+                          "batch probe (reports without one fall back to relay), or per row from its idle "
+                          "probe's TPOT, the calibration before the batch probe (default %(default)s)")
     validate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     ratio = sub.add_parser("ratio", help="one target's goodput over the others' across a scenario's repeated "
                            "live runs: per run, pooled, and a 90%% interval (pdserve.loadtest.goodput_ratio)")
@@ -230,10 +236,10 @@ def simulate_main(args: argparse.Namespace) -> int:
 
 
 def validate_main(args: argparse.Namespace) -> int:
-    from pdserve.loadtest.validate import validate_main as validate
+    from pdserve.loadtest.validation_runs import validate_main as validate
 
     print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write, args.serving_cores,
-                              args.replica_threads)))
+                              args.replica_threads, args.serving_cost)))
     return 0
 
 

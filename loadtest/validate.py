@@ -31,9 +31,8 @@ from typing import Any
 from pdserve.latency_model import LatencyProfile
 from pdserve.loadtest.evaluate import PROBE_SEED
 from pdserve.loadtest.machine import replica_threads
-from pdserve.loadtest.machine_threads import thread_factors, with_thread_factors
+from pdserve.loadtest.machine_threads import with_thread_factors
 from pdserve.loadtest.goodput_ratio import crossing_figure
-from pdserve.loadtest.models import resolve_model
 from pdserve.loadtest.runner import LoadConfig
 from pdserve.loadtest.scenario import Scenario
 from pdserve.loadtest.slo import SLO
@@ -52,7 +51,6 @@ TARGET_ERROR = 0.2
 LATENCIES = (("ttft_p50_ms", "ttft_ms", "p50"), ("ttft_p90_ms", "ttft_ms", "p90"),
              ("tpot_p50_ms", "tpot_ms", "p50"), ("tpot_p90_ms", "tpot_ms", "p90"))
 FIT_SCALES = tuple(round(1.0 + 0.2 * k, 2) for k in range(11))  # 1.0 .. 3.0
-DEFAULT_OUT = Path("loadtest/results/simulator-validation.json")
 
 
 def load_report(path: Path) -> dict[str, Any]:
@@ -87,8 +85,10 @@ class Model:
     """One scenario's simulated runs: the report's configuration, a calibration per target."""
 
     def __init__(self, scenario: Scenario, report: dict[str, Any], profile: LatencyProfile,
-                 serving_cores: float = 0.0) -> None:
-        self.profile, self.report = profile, report
+                 serving_cores: float = 0.0, serving_cost: str = "step") -> None:
+        if serving_cost not in ("step", "relay"):
+            raise ValueError(f"serving cost {serving_cost!r}: 'step' (the batch probe) or 'relay' (the idle probe)")
+        self.profile, self.report, self.serving_cost = profile, report, serving_cost
         self.work: Workload = workload(report["workload"])
         ld = report["load"]
         self.load = LoadConfig(int(ld["num_requests"]), float(ld["max_duration_s"]), ld["arrival"],
@@ -121,7 +121,8 @@ class Model:
                   source: str, cached_scale: float | None = None) -> Calibration:
         cal = Calibration(*scales, source=source, prefill_cached_scale=cached_scale)
         low = min(target["points"], key=lambda p: p["rate"])
-        account, batch = CPUAccount.of(low, target.get("quiet_cpu_s")), target.get("batch_probe")
+        account = CPUAccount.of(low, target.get("quiet_cpu_s"))
+        batch = target.get("batch_probe") if self.serving_cost == "step" else None
         tokens = self.tokens(spec, low["rate"])
         for _ in range(3 if account else 1):  # each term moves the others' simulations: a fixed point
             if batch:  # the serving cost on every step: k requests decoding together, beyond the model's CPU
@@ -209,14 +210,14 @@ def _profile_path(scenario: Scenario, report: dict[str, Any]) -> str:
 
 def validate(scenario: Scenario, report_path: Path, profile_path: str | None = None,
              serving_cores: float = 0.0, thread_factors: Mapping[str, float] | None = None,
-             replica_threads_n: int | None = None) -> dict[str, Any]:
+             replica_threads_n: int | None = None, serving_cost: str = "step") -> dict[str, Any]:
     """scenario name -> {max_abs_rel_error, figures: {name: {predicted, measured}}, calibration, ...}.
     `thread_factors`: the what-if of pdserve.loadtest.machine_threads, each machine check scaled by them;
     with `replica_threads_n`, only the checks of targets whose replicas all run that many threads."""
     report = load_report(report_path)
     path = profile_path or _profile_path(scenario, report)
     profile = load_profile(path)
-    model = Model(scenario, report, profile, serving_cores)
+    model = Model(scenario, report, profile, serving_cores, serving_cost)
     targets = report["targets"]
     fitted: tuple[tuple[float, float, float], float] | None = None
     if not any(t.get("machine") for t in targets) and not report.get("machine"):
@@ -270,40 +271,8 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
         "calibrated_on": "idle probes" + (
             f"; no machine check in the report: prefill and decode scales {fitted[0][0]:g} and {fitted[0][1]:g} "
             f"fitted on {', '.join(left_out)} (left out of the figures)" if fitted else " and machine checks"),
-        "num_cores": model.num_cores, "serving_cores": serving_cores, "replica_thread_factors": thread_factors,
+        "num_cores": model.num_cores, "serving_cores": serving_cores, "serving_cost": serving_cost,
+        "replica_thread_factors": thread_factors,
         "report": str(report_path), "report_commit": (report.get("provenance") or {}).get("commit"),
         "profile": path, "seed": scenario.seed,
     }
-
-
-def validate_main(names: list[str], reports: list[str] | None, profile: str | None, write: Path | None,
-                  serving_cores: float = 0.0, replica_threads: int | None = None) -> dict[str, Any]:
-    """`reports`: one scenario's live reports (several: repeated runs, combined); default
-    loadtest/results/<name>/run-*/summary.json, else loadtest/results/<name>/summary.json.
-    `replica_threads`: the what-if of pdserve.loadtest.machine_threads, measured here per scenario's model."""
-    from pdserve.loadtest.validation_runs import combine, report_paths
-
-    if reports and len(names) != 1:
-        raise ValueError("--report goes with exactly one scenario")
-    out: dict[str, Any] = {}
-    measured: dict[str, dict[str, float]] = {}
-    for arg in names:
-        scenario = load_scenario(arg)
-        paths = [Path(r) for r in reports] if reports else report_paths(Path("loadtest/results") / scenario.name)
-        factors = None
-        if replica_threads is not None:
-            model = resolve_model(scenario.model)
-            if model not in measured:  # scenarios sharing a model share one measurement
-                measured[model] = thread_factors(model, replica_threads)
-            factors = measured[model]
-        out[scenario.name] = combine([validate(scenario, path, profile, serving_cores, factors, replica_threads)
-                                      for path in paths])
-    if write is not None:
-        existing: dict[str, Any] = {}
-        if write.exists():
-            try:
-                existing = json.loads(write.read_text(encoding="utf-8"))
-            except json.JSONDecodeError:
-                raise ValueError(f"{write}: not JSON; remove it or write elsewhere") from None
-        write.write_text(json.dumps({**existing, **out}, indent=1) + "\n", encoding="utf-8")
-    return out

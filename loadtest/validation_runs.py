@@ -1,15 +1,19 @@
-"""Several live runs of one scenario, validated together: each run's report is validated on its own (its own
+"""`pdserve-loadtest validate`'s driver (scenarios, their reports, --write), and several live runs of one
+scenario validated together: each run's report is validated on its own (its own
 machine check, idle probe and CPU calibration), then each figure's predictions and measurements are put
 side by side as a median with its range. A measured range wider than the ±20% target says the target is
 below what the live system repeats to."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from pdserve.loadtest.validate import TARGET_ERROR
+from pdserve.loadtest.machine_threads import thread_factors
+from pdserve.loadtest.models import resolve_model
+from pdserve.loadtest.validate import TARGET_ERROR, load_scenario, validate
 from pdserve.sim.calibrate import rel_error
 
 
@@ -56,5 +60,37 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
                                          "calibration", "replica_cpu_model_share", "host_cpu_model_share")}
                  for r in runs],
         "profile": runs[0].get("profile"), "seed": runs[0].get("seed"), "num_cores": runs[0].get("num_cores"),
-        "serving_cores": runs[0].get("serving_cores"), "replica_thread_factors": runs[0].get("replica_thread_factors"),
+        "serving_cores": runs[0].get("serving_cores"), "serving_cost": runs[0].get("serving_cost"), "replica_thread_factors": runs[0].get("replica_thread_factors"),
     }
+
+
+def validate_main(names: list[str], reports: list[str] | None, profile: str | None, write: Path | None,
+                  serving_cores: float = 0.0, replica_threads: int | None = None,
+                  serving_cost: str = "step") -> dict[str, Any]:
+    """`reports`: one scenario's live reports (several: repeated runs, combined); default
+    loadtest/results/<name>/run-*/summary.json, else loadtest/results/<name>/summary.json.
+    `replica_threads`: the what-if of pdserve.loadtest.machine_threads, measured here per scenario's model."""
+    if reports and len(names) != 1:
+        raise ValueError("--report goes with exactly one scenario")
+    out: dict[str, Any] = {}
+    measured: dict[str, dict[str, float]] = {}
+    for arg in names:
+        scenario = load_scenario(arg)
+        paths = [Path(r) for r in reports] if reports else report_paths(Path("loadtest/results") / scenario.name)
+        factors = None
+        if replica_threads is not None:
+            model = resolve_model(scenario.model)
+            if model not in measured:  # scenarios sharing a model share one measurement
+                measured[model] = thread_factors(model, replica_threads)
+            factors = measured[model]
+        out[scenario.name] = combine([validate(scenario, path, profile, serving_cores, factors, replica_threads,
+                                               serving_cost) for path in paths])
+    if write is not None:
+        existing: dict[str, Any] = {}
+        if write.exists():
+            try:
+                existing = json.loads(write.read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                raise ValueError(f"{write}: not JSON; remove it or write elsewhere") from None
+        write.write_text(json.dumps({**existing, **out}, indent=1) + "\n", encoding="utf-8")
+    return out

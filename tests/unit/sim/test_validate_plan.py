@@ -151,6 +151,33 @@ def test_serving_cores_are_taken_from_the_hosts_cores(monkeypatch, capsys):
     assert runs[1]["figures"][figure]["predicted"] > runs[0]["figures"][figure]["predicted"]
 
 
+def test_the_batch_probe_calibrates_a_cost_per_step_and_relay_the_idle_gap_per_row(monkeypatch, capsys):
+    """On the committed fixed runs (each target has a batch probe): `step` puts the serving layer's decode time
+    on every step, `relay` on every row from the idle probe, as before the batch probe."""
+    monkeypatch.chdir(REPO)
+    runs = {}
+    for cost in ("step", "relay"):
+        assert loadtest_main(["validate", "disagg-vs-colocated-fixed", "--serving-cost", cost, "--json"]) == 0
+        runs[cost] = json.loads(capsys.readouterr().out)["disagg-vs-colocated-fixed"]
+        assert runs[cost]["serving_cost"] == cost
+    for run in runs["step"]["runs"]:
+        for cal in run["calibration"].values():
+            assert cal["serving_step_s"] > 0 and cal["relay_token_s"] == 0
+    relays = [cal["relay_token_s"] for run in runs["relay"]["runs"] for cal in run["calibration"].values()]
+    assert any(r > 0 for r in relays)
+    assert all(cal["serving_step_s"] == 0 for run in runs["relay"]["runs"] for cal in run["calibration"].values())
+    figure = "disaggregated/1/tpot_p50_ms"  # the same measurement, another prediction
+    assert runs["step"]["figures"][figure]["measured"] == runs["relay"]["figures"][figure]["measured"]
+    assert runs["step"]["figures"][figure]["predicted"] != runs["relay"]["figures"][figure]["predicted"]
+
+
+def test_an_unknown_serving_cost_is_refused(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as exit_:
+        loadtest_main(["validate", "disagg-vs-colocated-fixed", "--serving-cost", "magic"])
+    assert exit_.value.code == 2 and "--serving-cost" in capsys.readouterr().err
+
+
 def test_repeated_runs_are_combined_per_figure_as_medians_with_their_ranges():
     from pdserve.loadtest.validation_runs import combine
 
