@@ -9,8 +9,8 @@ does not record it), and the latency profile its routers or machine check named.
   any (router-policies) gets one scale for every coefficient, the one that best fits its reference target's
   lowest-rate point, and that point is then left out of the comparison;
 - the serving layer's time per decode step from the target's batch probe (k requests decoding together),
-  and its TTFT delay from the idle probe; reports without a batch probe get a per-token relay cost from the
-  idle probe's TPOT instead.
+  and its TTFT delay from the idle probe; reports without a batch probe, or `--serving-cost relay`, get a
+  per-token relay cost from the idle probe's TPOT instead.
 
 Then every measured sweep point (TTFT p50/p90, TPOT p50/p90, in ms) and each target's goodput are predicted
 and put beside the measured figure. The goodput figure is read where SLO attainment crosses the target,
@@ -30,9 +30,9 @@ from typing import Any
 
 from pdserve.latency_model import LatencyProfile
 from pdserve.loadtest.evaluate import PROBE_SEED
+from pdserve.loadtest.goodput_ratio import crossing_figure
 from pdserve.loadtest.machine import replica_threads
 from pdserve.loadtest.machine_threads import with_thread_factors
-from pdserve.loadtest.goodput_ratio import crossing_figure
 from pdserve.loadtest.runner import LoadConfig
 from pdserve.loadtest.scenario import Scenario
 from pdserve.loadtest.slo import SLO
