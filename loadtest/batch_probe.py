@@ -15,6 +15,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from pdserve.loadtest.metrics import request_metrics
 from pdserve.loadtest.runner import run_load
 from pdserve.loadtest.workloads import RequestSpec, TokenSource
@@ -38,8 +39,6 @@ class BatchProbeSpec:
 
     def requests(self, tokens: TokenSource, round_index: int) -> list[RequestSpec]:
         """Fresh prompts each round (no prefix-cache hit on an earlier round)."""
-        import numpy as np
-
         rng = np.random.default_rng([PROBE_SEED, round_index])
         return [RequestSpec(tokens.random_ids(rng, self.prompt_len), self.output_len) for _ in range(self.k)]
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.latency_model import LatencyProfile
+from pdserve.loadtest.batch_probe import BatchProbe
 from pdserve.loadtest.evaluate import PROBE_SEED
 from pdserve.loadtest.goodput_ratio import crossing_figure
 from pdserve.loadtest.machine import replica_threads
@@ -123,17 +124,17 @@ class Model:
         low = min(target["points"], key=lambda p: p["rate"])
         account = CPUAccount.of(low, target.get("quiet_cpu_s"))
         batch = target.get("batch_probe") if self.serving_cost == "step" else None
+        batch = BatchProbe.from_dict(batch) if batch else None
         tokens = self.tokens(spec, low["rate"])
+        probe = requests_for(self.work, LoadConfig(64, 1.0, "poisson", 1.0, PROBE_SEED), 1.0, spec.decode.block_size)
+        live = target["idle"]
         for _ in range(3 if account else 1):  # each term moves the others' simulations: a fixed point
             if batch:  # the serving cost on every step: k requests decoding together, beyond the model's CPU
-                k, prompt, output = int(batch["k"]), int(batch["prompt_len"]), int(batch["output_len"])
-                sim_tpot = batch_latency(cal.spec(spec), dataclasses.replace(cal, serving_step_s=0.0).profile(
-                    self.profile), k, prompt, output)
-                cal = dataclasses.replace(cal, serving_step_s=serving_step(batch["tpot_ms"] / 1e3, sim_tpot))
-            probe = requests_for(self.work, LoadConfig(64, 1.0, "poisson", 1.0, PROBE_SEED), 1.0,
-                                 spec.decode.block_size)
+                unserved = dataclasses.replace(cal, serving_step_s=0.0).profile(self.profile)
+                b = batch.spec
+                sim_tpot = batch_latency(cal.spec(spec), unserved, b.k, b.prompt_len, b.output_len)
+                cal = dataclasses.replace(cal, serving_step_s=serving_step(batch.tpot_s, sim_tpot))
             sim = idle_latency(spec, dataclasses.replace(cal, relay_token_s=0.0).profile(self.profile), probe)
-            live = target["idle"]
             ttft, relay = serving_costs(live["ttft_ms"] / 1e3, live["tpot_ms"] / 1e3, sim.ttft_s, sim.tpot_s)
             cal = dataclasses.replace(cal, serving_ttft_s=ttft, relay_token_s=0.0 if batch else relay)
             if account is not None:
@@ -260,9 +261,9 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
         sim = find_goodput(attainment, model.sweep)
         figures[f"{name}/goodput_rps"] = crossing_figure(sim.points, target["points"], model.sweep.target)
         grid[f"{name}/grid_goodput_rps"] = {"predicted": sim.goodput, "measured": float(target["goodput"])}
-    errors = {k: rel_error(v["predicted"], v["measured"]) for k, v in figures.items()}
     for v in (*figures.values(), *grid.values()):
         v["rel_error"] = rel_error(v["predicted"], v["measured"])
+    errors = {k: v["rel_error"] for k, v in figures.items()}
     worst = max(errors.values(), default=0.0)
     return {
         "max_abs_rel_error": worst, "within_target": worst <= TARGET_ERROR,

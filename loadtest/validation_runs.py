@@ -60,7 +60,8 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
                                          "calibration", "replica_cpu_model_share", "host_cpu_model_share")}
                  for r in runs],
         "profile": runs[0].get("profile"), "seed": runs[0].get("seed"), "num_cores": runs[0].get("num_cores"),
-        "serving_cores": runs[0].get("serving_cores"), "serving_cost": runs[0].get("serving_cost"), "replica_thread_factors": runs[0].get("replica_thread_factors"),
+        "serving_cores": runs[0].get("serving_cores"), "serving_cost": runs[0].get("serving_cost"),
+        "replica_thread_factors": runs[0].get("replica_thread_factors"),
     }
 
 

@@ -4,6 +4,7 @@ goodput found by the load tests' own sweep (pdserve.loadtest.sweep.find_goodput)
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +78,6 @@ def idle_latency(spec: ClusterSpec, profile: LatencyProfile, requests: list[SimR
 def batch_latency(spec: ClusterSpec, profile: LatencyProfile, k: int, prompt_tokens: int, output_tokens: int) -> float:
     """Median TPOT of `k` requests of these lengths arriving together on an idle system (what
     pdserve.loadtest.batch_probe measures live)."""
-    import statistics
-
     records = Simulation(spec, profile, [SimRequest(i, 0.0, prompt_tokens, output_tokens) for i in range(k)]).run()
     return statistics.median(r.tpot_s for r in records)  # type: ignore[type-var]
 
