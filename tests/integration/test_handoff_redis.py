@@ -51,6 +51,7 @@ def test_redis_handoff_matches_plain_generation(tiny_dir, redis_server):
         expected = [t async for d in ref.generate(GenerationRequest("ref", PROMPT, GREEDY)) for t in d.token_ids]
         first, handoff = await _prefill(a, "p")
         params = await exporter.export(handoff)
+        await exporter.transport.settle_releases()
         assert _free(a) == NUM_BLOCKS  # the blocks live in Redis now; the prefill lease is released
         result = await importer.import_kv(params)
         assert result.ok, result.error

@@ -104,6 +104,7 @@ def test_round_trip_is_bit_exact(h, raw, dtype):
     async def main():
         await exporter.start()
         params = await exporter.export("lease-1", SRC_BLOCKS, hashes, NUM_TOKENS)
+        await exporter.settle_releases()  # released in the background, once the blocks are stored
         assert released == ["lease-1"]
         await importer.pull(params, DEST_BLOCKS)
         return params
@@ -247,6 +248,7 @@ def test_store_down_fails_fast_then_recovers(h, redis_server):
         assert "127.0.0.1" in str(info.value)
         with pytest.raises(KVTransferError):
             await asyncio.wait_for(exporter.export("during", SRC_BLOCKS, chain(10), NUM_TOKENS), timeout=5)
+        await exporter.settle_releases()
         assert released == ["before"], "a failed export must keep its lease"
         redis_server.start()
         params = await exporter.export("after", SRC_BLOCKS, chain(10), NUM_TOKENS)

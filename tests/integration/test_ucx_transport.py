@@ -156,6 +156,31 @@ def test_release_only_after_the_importers_ack():
     asyncio.run(main())
 
 
+def test_a_slow_release_does_not_hold_the_next_pull_on_the_connection():
+    # the engine frees a lease between steps, a whole prefill step away at worst: the exporter's connection
+    # must serve the next pull meanwhile, or that request's first decode step waits for the prefill step
+    gate = asyncio.Event()
+
+    async def main():
+        async with Pair() as p:
+            async def engine_mid_step(lease_id: str) -> None:
+                await gate.wait()
+                p.released.append(lease_id)
+
+            p.exporter.release = engine_mid_step
+            first, second = await p.export(), await p.export([1, 2, 6, 7, 8, 10, 11])
+            await asyncio.wait_for(p.importer.pull(first, DST_IDS), HANG_BOUND_S)
+            await asyncio.wait_for(p.importer.pull(second, DST_IDS), HANG_BOUND_S)
+            assert p.importer.num_connections_opened == 1  # the second pull went over the first's connection
+            assert torch.equal(p.b.kv_pool[DST_IDS], p.a.kv_pool[[1, 2, 6, 7, 8, 10, 11]])
+            await _until(lambda: p.exporter.num_exports == 0)  # both acked (the ack lands after pull returns)
+            assert p.released == []  # neither released yet
+            gate.set()
+            await _until(lambda: sorted(p.released) == sorted([first.lease_id, second.lease_id]))
+
+    asyncio.run(main())
+
+
 def test_unknown_lease_is_refused_and_nothing_is_written():
     async def main():
         async with Pair() as p:

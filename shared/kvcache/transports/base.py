@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import ClassVar
@@ -12,6 +14,8 @@ from pdserve.kvcache.pool import KVPoolIO
 
 # Called on the exporting side once a lease's blocks are no longer needed there.
 ReleaseFn = Callable[[str], Awaitable[None]]
+
+logger = logging.getLogger(__name__)
 
 
 class KVTransferError(RuntimeError):
@@ -40,6 +44,7 @@ class KVTransport(ABC):
         self.layout = layout
         self.release = release
         self.bytes_pulled = 0  # KV wire bytes (headers and blocks, scales included) this side received
+        self._releasing: set[asyncio.Task] = set()
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Open listeners or connections."""
@@ -56,6 +61,27 @@ class KVTransport(ABC):
     async def pull(self, params: HandoffParams, dest_block_ids: list[int]) -> str | None:
         """Land the exported blocks in `dest_block_ids`; the name of the path the bytes took where this
         transport has several (same_host: "shm" or its remote's name), else None."""
+
+    def release_soon(self, lease_id: str) -> None:
+        """Release a served lease without holding up the caller. The engine frees a lease between steps, a
+        whole prefill step away at worst (its lock is held for the step), and a connection that waited for
+        that would hold the next pull on it, stalling that request's first decode step."""
+        if self.release is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._release_logged(lease_id))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def _release_logged(self, lease_id: str) -> None:
+        try:
+            await self.release(lease_id)  # type: ignore[misc]
+        except Exception:
+            logger.exception("release of lease %s failed", lease_id)
+
+    async def settle_releases(self, timeout_s: float = 10.0) -> None:
+        """Wait for the releases in flight (a transport closing); the engine expires what is left."""
+        if self._releasing:
+            await asyncio.wait(list(self._releasing), timeout=timeout_s)
 
     def forget(self, lease_id: str) -> bool:
         """Drop the export of `lease_id` (request aborted, lease expired): it can no longer be pulled.

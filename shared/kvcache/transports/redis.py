@@ -106,6 +106,7 @@ class RedisTransport(KVTransport):
             await self.client.ping()
 
     async def close(self) -> None:
+        await self.settle_releases()
         await self.client.aclose()
 
     async def export(
@@ -136,8 +137,7 @@ class RedisTransport(KVTransport):
                 self.stats.blocks_written += num_stored
                 self.stats.blocks_skipped += len(stored) - num_stored
                 self.stats.bytes_written += sum(n for n, is_new in zip(sizes, stored) if is_new)
-        if self.release is not None:
-            await self.release(lease_id)  # the blocks now live in the store
+        self.release_soon(lease_id)  # the blocks now live in the store; the first token need not wait for the engine
         return HandoffParams(
             transport=self.name,
             layout_hash=layout_hash,

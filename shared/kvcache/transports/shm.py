@@ -225,11 +225,8 @@ class ShmTransport(KVTransport):
             if self._serving.pop(lease_id, None) is not None:  # not forgotten meanwhile
                 if not is_acked:
                     self._exports[lease_id] = export  # the importer may retry; expiry or forget() drops it
-                elif self.release is not None:
-                    try:
-                        await self.release(lease_id)
-                    except Exception:
-                        logger.exception("release of lease %s failed", lease_id)
+                else:
+                    self.release_soon(lease_id)  # this connection serves its next pull at once
 
     async def _send_blocks(self, conn: socket.socket, staging: shm_io.Staging, slot_nbytes: int,
                            block_ids: tuple[int, ...]) -> None:
@@ -297,6 +294,7 @@ class ShmTransport(KVTransport):
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
+        await self.settle_releases()
         if self._listener is not None:
             self._listener.close()
             self._listener = None

@@ -209,11 +209,8 @@ class UCXTransport(KVTransport):
             if self._serving.pop(lease_id, None) is not None:  # not forgotten meanwhile
                 if not is_acked:
                     self._exports[lease_id] = export  # the importer may retry; expiry or forget() drops it
-                elif self.release is not None:
-                    try:
-                        await self.release(lease_id)
-                    except Exception:
-                        logger.exception("release of lease %s failed", lease_id)
+                else:
+                    self.release_soon(lease_id)  # this connection serves its next pull at once
 
     async def _refuse(self, ops: PostedOps, status: int, reason: str) -> None:
         detail = reason.encode()[:_MAX_DETAIL]
@@ -357,6 +354,7 @@ class UCXTransport(KVTransport):
             ep.abort()  # their handlers' pending receives fail and the handlers return
         if self._handlers:
             await asyncio.wait(list(self._handlers), timeout=self.timeout_s)
+        await self.settle_releases(self.timeout_s)
         if self._listener is not None:
             self._listener.close()
             self._listener = None

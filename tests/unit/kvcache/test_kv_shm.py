@@ -190,6 +190,41 @@ def test_staging_memory_is_private_sealed_and_nameless(tmp_path):
         os.close(unsealed)
 
 
+@pytest.mark.parametrize("direct_read", [True, False], ids=["direct", "staged"])
+def test_a_slow_release_does_not_hold_the_next_pull_on_the_connection(direct_read):
+    # the engine frees a lease between steps, a whole prefill step away at worst: the exporter's connection
+    # must serve the next pull meanwhile, or that request's first decode step waits for the prefill step
+    async def main() -> None:
+        gate, released = asyncio.Event(), []
+
+        async def engine_mid_step(lease_id: str) -> None:
+            await gate.wait()
+            released.append(lease_id)
+
+        exporter = ShmTransport(seeded_pool(16, 3), LAYOUT, engine_mid_step, config=ShmConfig(direct_read=direct_read))
+        importer = ShmTransport(importer_pool(16), LAYOUT)
+        await exporter.start()
+        try:
+            first = await exporter.export("ab" * 16, [1, 2], [7, 8], 8)
+            second = await exporter.export("cd" * 16, [3, 4, 5], [9, 10, 11], 12)
+            await asyncio.wait_for(importer.pull(first, [0, 1]), 15)
+            await asyncio.wait_for(importer.pull(second, [2, 3, 4]), 15)
+            assert blocks_digest(importer.pool, [2, 3, 4]) == blocks_digest(exporter.pool, [3, 4, 5])
+            deadline = time.monotonic() + 5
+            while exporter.num_exports and time.monotonic() < deadline:  # the ack lands after pull returns
+                await asyncio.sleep(0.01)
+            assert released == [] and exporter.num_exports == 0  # both served, neither released yet
+            gate.set()
+            while len(released) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert sorted(released) == ["ab" * 16, "cd" * 16]
+        finally:
+            await importer.close()
+            await exporter.close()
+
+    asyncio.run(main())
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="switching to another user needs root")
 def test_another_user_gets_no_staging_memory_and_cannot_read_the_exporters():
     async def main() -> dict:
