@@ -2,7 +2,8 @@
 `soak` (faults and bad input under load), `bound` (what placement can save at most on a scenario's trace),
 `simulate` (a scenario through the discrete-event model, pdserve.sim: no server), `validate` (the simulator
 against a scenario's committed live report), `ratio` (one target's goodput over another's across repeated
-live runs, with its interval)."""
+live runs, with its interval), `prefill-bound` (the most goodput a disaggregated target's prefill pool allows,
+against its live runs)."""
 
 from __future__ import annotations
 
@@ -123,6 +124,15 @@ def parser() -> argparse.ArgumentParser:
     ratio.add_argument("--target", help="numerator (default: the reports' SLO reference target)")
     ratio.add_argument("--baseline", action="append", help="denominator; repeat it (default: every other target)")
     ratio.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
+    pb = sub.add_parser("prefill-bound", help="the most goodput a disaggregated target's prefill pool allows "
+                        "(FIFO at its machine check's idle speed, no decode), against its live reports' goodputs")
+    pb.add_argument("results", type=Path, help="a results directory: run-*/summary.json, else summary.json")
+    pb.add_argument("--target", help="the disaggregated target (default: the reports' first)")
+    pb.add_argument("--steady-requests", type=int, default=500, help="requests per draw of the steady reading")
+    pb.add_argument("--draws", type=int, default=20, help="seeded draws of the steady reading")
+    pb.add_argument("--rates", help="the steady reading's rates, comma-separated (default: the grid, then up to "
+                    "twice its top)")
+    pb.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     from pdserve.loadtest.soak import add_soak_args
 
     add_soak_args(sub.add_parser("soak", help="N requests with disconnects, bad inputs and replica kills; "
@@ -250,6 +260,14 @@ def ratio_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def prefill_bound_main(args: argparse.Namespace) -> int:
+    from pdserve.loadtest.prefill_bound import prefill_bound_main as bound
+
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else None
+    print(json.dumps(bound(args.results, args.target, args.steady_requests, args.draws, rates)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -258,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return soak_main(args)
         return {"run": run_main, "sweep": sweep_main, "scenario": scenario_main, "bound": bound_main,
-                "simulate": simulate_main, "validate": validate_main, "ratio": ratio_main}[args.command](args)
+                "simulate": simulate_main, "validate": validate_main, "ratio": ratio_main,
+                "prefill-bound": prefill_bound_main}[args.command](args)
     except ValueError as exc:
         print(f"pdserve-loadtest: {exc}", file=sys.stderr)
         return 2
