@@ -130,10 +130,13 @@ class Model:
         live = target["idle"]
         for _ in range(3 if account else 1):  # each term moves the others' simulations: a fixed point
             if batch:  # the serving cost on every step: k requests decoding together, beyond the model's CPU
-                unserved = dataclasses.replace(cal, serving_step_s=0.0).profile(self.profile)
-                b = batch.spec
-                sim_tpot = batch_latency(cal.spec(spec), unserved, b.k, b.prompt_len, b.output_len)
-                cal = dataclasses.replace(cal, serving_step_s=serving_step(batch.tpot_s, sim_tpot))
+                b, host = batch.spec, cal.spec(spec)
+
+                def probe_tpot(step_s: float, cal: Calibration = cal) -> float:
+                    served = dataclasses.replace(cal, serving_step_s=step_s).profile(self.profile)
+                    return batch_latency(host, served, b.k, b.prompt_len, b.output_len)
+
+                cal = dataclasses.replace(cal, serving_step_s=serving_step(batch.tpot_s, probe_tpot))
             sim = idle_latency(spec, dataclasses.replace(cal, relay_token_s=0.0).profile(self.profile), probe)
             ttft, relay = serving_costs(live["ttft_ms"] / 1e3, live["tpot_ms"] / 1e3, sim.ttft_s, sim.tpot_s)
             cal = dataclasses.replace(cal, serving_ttft_s=ttft, relay_token_s=0.0 if batch else relay)

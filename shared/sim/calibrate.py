@@ -11,7 +11,7 @@ A profile times one engine alone on the machine it was measured on. A live load-
   delay on every arrival shifts the whole run, so it is added to each record's first-token and finish time.
 - **Serving per step** (`serving_step_s`): what the replica's loop, the token streams and the relay to the
   router add to each decode step, from the target's batch probe (pdserve.loadtest.batch_probe: k requests
-  decoding together, against the simulator's same k). Measured on this repository's VMs it hardly grows with
+  decoding together, against the simulator's same k, solved so that the simulator returns the probe's TPOT). Measured on this repository's VMs it hardly grows with
   the batch (about 1.1 ms a step at k = 2, 4 and 8), so it is added to the step's fixed term `a`.
 - **Relay per token** (`relay_token_s`): for reports without a batch probe, the idle probe's TPOT gap, added
   to the decode step's per-row term `b` (at batch 1 it adds exactly itself to TPOT). One request alone
@@ -30,7 +30,7 @@ window (validate then compares the model's CPU with the measured at the other ra
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,10 +175,22 @@ def serving_costs(live_ttft_s: float, live_tpot_s: float, sim_ttft_s: float, sim
     return max(0.0, live_ttft_s - sim_ttft_s), max(0.0, live_tpot_s - sim_tpot_s)
 
 
-def serving_step(live_tpot_s: float, sim_tpot_s: float) -> float:
-    """The serving layer's time per decode step: what a batch probe's TPOT measured beyond the simulator's for
-    the same requests (every decode step of the probe carries the cost once); never negative."""
-    return max(0.0, live_tpot_s - sim_tpot_s)
+def serving_step(live_tpot_s: float, tpot_at: Callable[[float], float], tol_s: float = 1e-5) -> float:
+    """The serving layer's time per decode step: the cost s >= 0 at which the simulator's TPOT for a batch
+    probe's requests, `tpot_at(s)`, meets the probe's live TPOT (0 when the simulator is already as slow).
+    On shared cores every step is stretched by the host's sharing, s with it, so the simulated TPOT grows by
+    s or more: the plain gap `live - tpot_at(0)` bounds s from above, and taken as s it over-shoots by the
+    sharing factor (three one-thread replicas on two cores: by half or more). Solved by bisection to `tol_s`."""
+    gap = live_tpot_s - tpot_at(0.0)
+    if gap <= 0:
+        return 0.0
+    lo, hi = 0.0, gap
+    while tpot_at(hi) < live_tpot_s and hi < 1.0:  # a step's s never lands below s (guarded all the same)
+        lo, hi = hi, 2 * hi
+    while hi - lo > tol_s:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tpot_at(mid) < live_tpot_s else (lo, mid)
+    return (lo + hi) / 2
 
 
 def rel_error(predicted: float, measured: float) -> float:

@@ -181,9 +181,14 @@ def test_the_cached_prefix_term_scales_on_its_own_shape(profile):
         Calibration(1.0, 1.0, 1.0, prefill_cached_scale=0.0)
 
 
-def test_serving_step_is_the_batch_probes_gap_and_never_negative():
-    assert serving_step(0.0057, 0.0045) == pytest.approx(0.0012)
-    assert serving_step(0.004, 0.0045) == 0.0
+def test_serving_step_is_the_batch_probes_gap_where_it_adds_plainly_and_never_negative():
+    assert serving_step(0.0057, lambda s: 0.0045 + s) == pytest.approx(0.0012, abs=1e-5)
+    assert serving_step(0.004, lambda s: 0.0045 + s) == 0.0
+
+
+def test_serving_step_is_solved_where_sharing_stretches_it():
+    # every step 1.5x on shared cores, the cost with it: the plain gap (1.5 ms) would give 2.25 ms too much
+    assert serving_step(0.006, lambda s: 1.5 * (0.003 + s)) == pytest.approx(0.001, abs=1e-5)
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
@@ -200,8 +205,26 @@ def test_a_batch_probe_gets_its_live_tpot_back(profile, mode):
     scaled = Calibration(1.4, 1.3, 1.6)
     sim = batch_latency(spec, scaled.profile(profile), 8, 64, 128)
     live = sim + 0.0012
-    cal = Calibration(1.4, 1.3, 1.6, serving_step_s=serving_step(live, sim))
+
+    def tpot_at(step_s: float) -> float:
+        return batch_latency(spec, Calibration(1.4, 1.3, 1.6, serving_step_s=step_s).profile(profile), 8, 64, 128)
+
+    cal = Calibration(1.4, 1.3, 1.6, serving_step_s=serving_step(live, tpot_at))
     assert batch_latency(spec, cal.profile(profile), 8, 64, 128) == pytest.approx(live, rel=0.02)
+
+
+def test_a_batch_probe_on_oversubscribed_cores_gets_its_live_tpot_back(profile):
+    """Three one-thread replicas on two cores: the solved cost, stretched by the sharing, returns the probe's
+    TPOT, where the plain gap over-shoots it."""
+    spec = ClusterSpec(mode="colocated", num_decode=3, num_cores=2.0, serving_cpu_token_s=0.0005)
+    sim = batch_latency(spec, profile, 8, 64, 128)
+    live = sim + 0.002
+
+    def tpot_at(step_s: float) -> float:
+        return batch_latency(spec, Calibration(serving_step_s=step_s).profile(profile), 8, 64, 128)
+
+    assert tpot_at(serving_step(live, tpot_at)) == pytest.approx(live, rel=0.01)
+    assert tpot_at(live - sim) > 1.1 * live  # the plain gap, as calibrated before
 
 
 def test_a_batch_probes_requests_decode_together(profile):
