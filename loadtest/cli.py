@@ -117,6 +117,9 @@ def parser() -> argparse.ArgumentParser:
                           help="how the serving layer's decode time is calibrated: per step from each target's "
                           "batch probe (reports without one fall back to relay), or per row from its idle "
                           "probe's TPOT, the calibration before the batch probe (default %(default)s)")
+    validate.add_argument("--core-sharing", choices=("step", "continuous"), default="step",
+                          help="how the model's steps share the host's cores: each slowed by the demand when it "
+                          "starts, or all re-rated whenever a step starts or ends (default %(default)s)")
     validate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     ratio = sub.add_parser("ratio", help="one target's goodput over the others' across a scenario's repeated "
                            "live runs: per run, pooled, and a 90%% interval (pdserve.loadtest.goodput_ratio)")
@@ -249,7 +252,7 @@ def validate_main(args: argparse.Namespace) -> int:
     from pdserve.loadtest.validation_runs import validate_main as validate
 
     print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write, args.serving_cores,
-                              args.replica_threads, args.serving_cost)))
+                              args.replica_threads, args.serving_cost, args.core_sharing)))
     return 0
 
 

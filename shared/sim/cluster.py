@@ -23,7 +23,7 @@ from pdserve.placement.pending import PendingPlacements
 from pdserve.placement.policy import PlacementRequest, Rejection, create_policy
 from pdserve.sim.config import ClusterSpec, SimRequest
 from pdserve.sim.engine import Batch, Engine, SimSeq
-from pdserve.sim.host import OffStepLoad
+from pdserve.sim.host import OffStepLoad, SharedCores
 from pdserve.sim.results import RequestRecord
 
 # event priorities at equal times: replicas come up and steps end before polls, polls before arrivals
@@ -31,7 +31,7 @@ READY, STEP, TRANSFER, POLL, SCALE, ARRIVAL = range(6)
 STALL_S = 3600.0  # simulated seconds without a step, handoff or arrival while requests remain: a bug
 
 
-@dataclass
+@dataclass(eq=False)
 class Replica:
     engine: Engine
     role: str  # "prefill" | "decode" (colocated engines report as decode, as the live ones do)
@@ -42,6 +42,8 @@ class Replica:
     num_inbound: int = 0  # handoffs on their way to it
     num_held: int = 0  # prefilled sequences whose blocks wait for their handoff
     batch: Batch | None = None
+    step_start: float = 0.0
+    step_version: int = 0  # a step-end event for an older version is stale (its end moved)
     cpu_s: float = 0.0  # CPU seconds its steps burned: profiled time x threads (sharing stretches wall time only)
 
     @property
@@ -101,6 +103,8 @@ class Simulation:
         self.with_prefixes = any(r.block_hashes for r in requests)
         self._round_robin = itertools.count()
         self.off_step = OffStepLoad(spec.off_step_cpu_token_s + spec.serving_cpu_token_s)
+        continuous = spec.num_cores is not None and spec.core_sharing == "continuous"
+        self.cores = SharedCores(spec.num_cores) if continuous else None  # type: ignore[arg-type]
         for role, n in (("prefill", 0 if colocated else spec.num_prefill), ("decode", spec.num_decode)):
             for _ in range(n):
                 self.add_replica(role, 0.0, 0.0)
@@ -235,11 +239,24 @@ class Simulation:
         if not batch.decodes and not batch.prefills:
             return  # waits for blocks: a handoff or a finish frees them and kicks it again
         profiled = engine.step_time_s(batch)
-        seconds = profiled * self._sharing(replica)
         replica.cpu_s += profiled * self._threads(replica)
-        engine.busy_until = self.now + seconds
-        replica.batch = batch
-        self._push(engine.busy_until, STEP, (replica, seconds))
+        replica.batch, replica.step_start = batch, self.now
+        if self.cores is None:
+            engine.busy_until = self.now + profiled * self._sharing(replica)
+            replica.step_version += 1
+            self._push(engine.busy_until, STEP, (replica, replica.step_version))
+        else:
+            engine.busy_until = self.now  # in flight; its end comes from the sharing
+            self.cores.start(replica, profiled, self._threads(replica), self.now)
+            self._reshare()
+
+    def _reshare(self) -> None:
+        """Every step in flight gets its end at the rate the host's demand now leaves it."""
+        other = self.off_step.cores(self.now) + self.spec.background_cores
+        for replica, end in self.cores.reshare(self.now, other).items():  # type: ignore[union-attr]
+            replica.engine.busy_until = end
+            replica.step_version += 1
+            self._push(end, STEP, (replica, replica.step_version))
 
     def _sharing(self, replica: Replica) -> float:
         """Slow-down of a step starting now on a shared host: the threads of every busy replica (this one
@@ -254,11 +271,15 @@ class Simulation:
         cores = self.spec.num_cores
         return replica.engine.spec.num_threads if cores is None else min(replica.engine.spec.num_threads, cores)
 
-    def _step_done(self, payload: tuple[Replica, float]) -> int:
-        replica, seconds = payload
+    def _step_done(self, payload: tuple[Replica, int]) -> int:
+        replica, version = payload
+        if version != replica.step_version or replica.batch is None:
+            return 0  # its end moved since (shared cores)
         engine, batch = replica.engine, replica.batch
         engine.busy_until, replica.batch = None, None
-        outcome = engine.complete(batch, self.now, seconds)  # type: ignore[arg-type]
+        if self.cores is not None:
+            self.cores.finish(replica, self.now)
+        outcome = engine.complete(batch, self.now, self.now - replica.step_start)  # type: ignore[arg-type]
         self.off_step.add(self.now, outcome.num_tokens)
         replica.cpu_s += outcome.num_tokens * self.spec.off_step_cpu_token_s
         for seq in outcome.prefilled:
@@ -269,6 +290,8 @@ class Simulation:
         for seq in outcome.finished:
             self._finish(seq)
         self._kick(replica)
+        if self.cores is not None and replica.batch is None:
+            self._reshare()  # no next step here: the others speed up
         self._retire_if_empty(replica)
         return len(outcome.finished)
 

@@ -63,9 +63,12 @@ class ClusterSpec:
     router: RouterSpec = field(default_factory=RouterSpec)
     transport: str = "ucx"  # the profile's transfer model for the KV handoff; absent there: free
     startup_s: float = 60.0  # a replica the autoscaler adds serves this long after it is asked for
-    # cores every replica shares (one host); a step starting while others run takes
-    # max(1, threads busy / num_cores) times its profiled time. None: each replica has its own machine
+    # cores every replica shares (one host). None: each replica has its own machine
     num_cores: float | None = None
+    # how steps share them: "step", a step starting while others run takes max(1, demand / num_cores) times
+    # its profiled time, fixed for its length; "continuous", every step in flight progresses at
+    # min(1, num_cores / demand), recomputed as steps start and end (pdserve.sim.host.SharedCores)
+    core_sharing: Literal["step", "continuous"] = "step"
     # CPU seconds a replica spends per generated token outside its steps (pdserve.sim.host), on those cores
     off_step_cpu_token_s: float = 0.0
     # and what the rest of the host burns there: per generated token (Serve proxy, router, load client), and
@@ -80,6 +83,8 @@ class ClusterSpec:
             raise ValueError("need at least one decode replica, and one prefill replica when disaggregated")
         if self.startup_s < 0:
             raise ValueError("startup_s must be >= 0")
+        if self.core_sharing not in ("step", "continuous"):
+            raise ValueError(f"core_sharing must be 'step' or 'continuous', got {self.core_sharing!r}")
         if self.num_cores is not None and not self.num_cores > 0:
             raise ValueError(f"num_cores must be > 0, got {self.num_cores}")
         for name in ("off_step_cpu_token_s", "serving_cpu_token_s", "background_cores"):

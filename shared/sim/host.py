@@ -1,4 +1,5 @@
-"""CPU beyond the engine steps, per generated token, on a host whose cores the replicas share.
+"""CPU beyond the engine steps, per generated token, on a host whose cores the replicas share; and the
+steps themselves sharing those cores.
 
 A live replica spends CPU per generated token outside the step it times: detokenising, streaming the
 token to the router, its event loop; the router, the Serve proxy and the load client spend more on the
@@ -33,3 +34,38 @@ class OffStepLoad:
         while self._spent and self._spent[0][0] <= now - self.window_s:
             self._total -= self._spent.popleft()[1]
         return max(0.0, self._total) / self.window_s
+
+
+class SharedCores:
+    """Steps in flight on one host's cores, shared continuously (processor sharing): each progresses at
+    min(1, cores / demand) of its profiled speed, the demand being the threads of every step in flight plus the
+    cores the off-step and background work keep busy. Rates are recomputed whenever a step starts or ends, so a
+    long prefill slows when another replica's step starts beside it, and speeds up when that one ends."""
+
+    def __init__(self, num_cores: float) -> None:
+        if not num_cores > 0:
+            raise ValueError(f"num_cores must be > 0, got {num_cores}")
+        self.num_cores = num_cores
+        self._steps: dict[object, list[float]] = {}  # key -> [profiled seconds left, threads, rate, since]
+
+    def start(self, key: object, profiled_s: float, threads: float, now: float) -> None:
+        self._advance(now)
+        self._steps[key] = [profiled_s, threads, 1.0, now]
+
+    def finish(self, key: object, now: float) -> None:
+        self._advance(now)
+        del self._steps[key]
+
+    def reshare(self, now: float, other_cores: float) -> dict[object, float]:
+        """Each step's projected end, at the rate the current demand leaves it."""
+        self._advance(now)
+        demand = sum(s[1] for s in self._steps.values()) + other_cores
+        rate = min(1.0, self.num_cores / demand) if demand > 0 else 1.0
+        for step in self._steps.values():
+            step[2] = rate
+        return {key: now + s[0] / rate for key, s in self._steps.items()}
+
+    def _advance(self, now: float) -> None:
+        for step in self._steps.values():
+            step[0] = max(0.0, step[0] - (now - step[3]) * step[2])
+            step[3] = now

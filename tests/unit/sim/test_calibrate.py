@@ -17,7 +17,7 @@ from pdserve.sim.calibrate import (
 from pdserve.sim.scenario import batch_latency
 from pdserve.sim.cluster import Simulation
 from pdserve.sim.config import ClusterSpec, EngineSpec, SimRequest
-from pdserve.sim.host import OffStepLoad
+from pdserve.sim.host import OffStepLoad, SharedCores
 
 
 def check(profile, prefill_ratio: float, fixed: float, row: float) -> dict:
@@ -86,11 +86,36 @@ def test_shared_cores_slow_concurrent_steps(profile, num_cores, slowdown):
     assert max(r.ttft_s for r in records) == pytest.approx(alone * slowdown)
 
 
+@pytest.mark.parametrize(("num_cores", "slowdown"), [(None, 1.0), (4.0, 1.0), (2.0, 1.5), (1.0, 3.0)])
+def test_continuously_shared_cores_slow_concurrent_steps_alike(profile, num_cores, slowdown):
+    """The same three prefills starting together, shared continuously: each runs at cores / 3 throughout."""
+    spec = ClusterSpec(mode="colocated", num_decode=3, num_cores=num_cores, core_sharing="continuous")
+    records = Simulation(spec, profile, [SimRequest(i, 0.0, 500, 1) for i in range(3)]).run()
+    alone = profile.for_role("decode").prefill_time_s(500)
+    assert [r.ttft_s for r in records] == pytest.approx([alone * slowdown] * 3)
+
+
+def test_a_step_slows_when_another_starts_beside_it_and_speeds_up_when_it_ends():
+    # one core; a 1 s step from t=0, another from t=0.5: the first does 0.5 s alone, then both run at half
+    # speed until it ends at 1.5 s; the second, 0.5 s done by then, ends alone at 2.0 s
+    cores = SharedCores(1.0)
+    cores.start("a", 1.0, 1.0, 0.0)
+    assert cores.reshare(0.0, 0.0) == {"a": pytest.approx(1.0)}
+    cores.start("b", 1.0, 1.0, 0.5)
+    assert cores.reshare(0.5, 0.0) == {"a": pytest.approx(1.5), "b": pytest.approx(2.5)}
+    cores.finish("a", 1.5)
+    assert cores.reshare(1.5, 0.0) == {"b": pytest.approx(2.0)}
+    # other work on the cores counts in the demand: one step beside a core's worth of off-step work
+    assert cores.reshare(1.5, 1.0) == {"b": pytest.approx(2.5)}
+
+
 def test_calibration_is_validated():
     with pytest.raises(ValueError, match="prefill_scale"):
         Calibration(prefill_scale=0)
     with pytest.raises(ValueError, match="num_cores"):
         ClusterSpec(num_cores=0)
+    with pytest.raises(ValueError, match="core_sharing"):
+        ClusterSpec(num_cores=2.0, core_sharing="fair")  # type: ignore[arg-type]
 
 
 def test_off_step_load_is_the_last_window_of_cpu_in_cores():

@@ -212,3 +212,20 @@ def test_validate_takes_a_report_per_repetition(monkeypatch, capsys):
     assert {k: v["predicted"] for k, v in twice["figures"].items()} == \
         {k: v["predicted"] for k, v in once["figures"].items()}
     assert twice["max_abs_rel_error"] == pytest.approx(once["max_abs_rel_error"])
+
+
+def test_core_sharing_is_a_choice_of_the_model_not_of_the_measurement(monkeypatch, capsys):
+    """On the committed three-replica runs (three one-thread replicas on two cores), `continuous` re-rates
+    steps in flight as others start and end: other predictions against the same measurements."""
+    monkeypatch.chdir(REPO)
+    runs = {}
+    for sharing in ("step", "continuous"):
+        assert loadtest_main(["validate", "prefix-routing-fixed", "--core-sharing", sharing, "--json"]) == 0
+        runs[sharing] = json.loads(capsys.readouterr().out)["prefix-routing-fixed"]
+        assert runs[sharing]["core_sharing"] == sharing
+    figure = "least_loaded/5.66/ttft_p90_ms"
+    assert runs["step"]["figures"][figure]["measured"] == runs["continuous"]["figures"][figure]["measured"]
+    assert runs["step"]["figures"][figure]["predicted"] != runs["continuous"]["figures"][figure]["predicted"]
+    with pytest.raises(SystemExit) as exit_:
+        loadtest_main(["validate", "prefix-routing-fixed", "--core-sharing", "fair"])
+    assert exit_.value.code == 2 and "--core-sharing" in capsys.readouterr().err
