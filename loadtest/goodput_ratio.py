@@ -14,7 +14,6 @@ ends are None where the draws leave them unbounded.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -141,18 +140,11 @@ def goodput_ratios(runs: Sequence[Mapping[str, Any]], target: str | None = None,
 
 def ratio_main(results: Path, target: str | None, baselines: Sequence[str] | None) -> dict[str, Any]:
     """The reports of `results` (run-*/summary.json, else summary.json)."""
-    from pdserve.loadtest.validation_runs import report_paths
+    from pdserve.loadtest.validation_runs import load_reports
 
-    paths = [p for p in report_paths(results) if p.exists()]
-    if not paths:
-        raise ValueError(f"{results}: no summary.json, nor run-*/summary.json")
-    runs = []
-    for path in paths:
-        try:
-            runs.append(json.loads(path.read_text(encoding="utf-8")))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not JSON ({exc.msg})") from None
+    reports = load_reports(results)
     try:
-        return {"reports": [str(p) for p in paths], "ratios": goodput_ratios(runs, target, baselines)}
+        return {"reports": [str(p) for p, _ in reports],
+                "ratios": goodput_ratios([r for _, r in reports], target, baselines)}
     except KeyError as exc:
         raise ValueError(f"{results}: a report lacks {exc}") from None

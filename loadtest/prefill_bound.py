@@ -19,7 +19,6 @@ Two readings, at the report's SLO:
 from __future__ import annotations
 
 import heapq
-import json
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -128,19 +127,12 @@ def prefill_bound_main(results: Path, target: str | None = None, steady_requests
     """Every report of `results` (run-*/summary.json, else summary.json): its grid bound; and the steady
     bound at the fastest machine check among them (the most generous)."""
     from pdserve.loadtest.validate import _profile_path, load_scenario
-    from pdserve.loadtest.validation_runs import report_paths
+    from pdserve.loadtest.validation_runs import load_reports
 
     if steady_requests < 1 or draws < 1:
         raise ValueError("steady requests and draws must be >= 1")
-    paths = [p for p in report_paths(results) if p.exists()]
-    if not paths:
-        raise ValueError(f"{results}: no summary.json, nor run-*/summary.json")
     bounds = []
-    for path in paths:
-        try:
-            report = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not JSON ({exc.msg})") from None
+    for path, report in load_reports(results):
         try:
             scenario = load_scenario(report["scenario"])
             bounds.append((path, ReportBound(report, load_profile(_profile_path(scenario, report)), scenario.seed,

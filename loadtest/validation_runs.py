@@ -23,6 +23,20 @@ def report_paths(results: Path) -> list[Path]:
     return runs or [results / "summary.json"]
 
 
+def load_reports(results: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The reports of `results` (`report_paths`), parsed; a ValueError naming the directory or the file."""
+    paths = [p for p in report_paths(results) if p.exists()]
+    if not paths:
+        raise ValueError(f"{results}: no summary.json, nor run-*/summary.json")
+    reports = []
+    for path in paths:
+        try:
+            reports.append((path, json.loads(path.read_text(encoding="utf-8"))))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON ({exc.msg})") from None
+    return reports
+
+
 def combined(runs: list[dict[str, Any]], part: str) -> dict[str, dict[str, Any]]:
     """Per figure of `part`: the median prediction against the median measurement, both ranges, the measured
     spread (half its range over its median), and each run's bounds where the figure has them."""
