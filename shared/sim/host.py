@@ -11,6 +11,7 @@ window and reports it in cores, which `Simulation._sharing` adds to the busy ste
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 
 class OffStepLoad:
@@ -36,6 +37,14 @@ class OffStepLoad:
         return max(0.0, self._total) / self.window_s
 
 
+@dataclass
+class _Step:
+    left_s: float  # profiled seconds still to run
+    threads: float
+    rate: float  # profiled seconds run per second
+    since: float  # when left_s was last brought up to date
+
+
 class SharedCores:
     """Steps in flight on one host's cores, shared continuously (processor sharing): each progresses at
     min(1, cores / demand) of its profiled speed, the demand being the threads of every step in flight plus the
@@ -46,11 +55,11 @@ class SharedCores:
         if not num_cores > 0:
             raise ValueError(f"num_cores must be > 0, got {num_cores}")
         self.num_cores = num_cores
-        self._steps: dict[object, list[float]] = {}  # key -> [profiled seconds left, threads, rate, since]
+        self._steps: dict[object, _Step] = {}
 
     def start(self, key: object, profiled_s: float, threads: float, now: float) -> None:
         self._advance(now)
-        self._steps[key] = [profiled_s, threads, 1.0, now]
+        self._steps[key] = _Step(profiled_s, threads, 1.0, now)
 
     def finish(self, key: object, now: float) -> None:
         self._advance(now)
@@ -59,13 +68,13 @@ class SharedCores:
     def reshare(self, now: float, other_cores: float) -> dict[object, float]:
         """Each step's projected end, at the rate the current demand leaves it."""
         self._advance(now)
-        demand = sum(s[1] for s in self._steps.values()) + other_cores
+        demand = sum(s.threads for s in self._steps.values()) + other_cores
         rate = min(1.0, self.num_cores / demand) if demand > 0 else 1.0
         for step in self._steps.values():
-            step[2] = rate
-        return {key: now + s[0] / rate for key, s in self._steps.items()}
+            step.rate = rate
+        return {key: now + s.left_s / rate for key, s in self._steps.items()}
 
     def _advance(self, now: float) -> None:
         for step in self._steps.values():
-            step[0] = max(0.0, step[0] - (now - step[3]) * step[2])
-            step[3] = now
+            step.left_s = max(0.0, step.left_s - (now - step.since) * step.rate)
+            step.since = now
