@@ -7,7 +7,9 @@ them), on the prefill replica free soonest, with no decode, transfer, serving la
 within the SLO is then an upper bound on the target's attainment at every rate, for the same requests, and
 so on its goodput read at the crossing (`goodput_ratio.crossing`: attainment lower at every rate of the same
 grid never crosses later). Dividing by the other targets' measured goodputs gives the largest goodput ratio
-the target's runs could have read.
+the target's runs could have read. With one prefill replica (the committed scenario) that holds for any
+placement; with several, each request goes to the replica free soonest, which a live placer can match but
+is not proven to be unbeatable.
 
 Two readings, at the report's SLO:
 
@@ -34,6 +36,7 @@ from pdserve.sim.scenario import load_profile
 from pdserve.sim.workload import requests_for
 
 BLOCK = 16  # prompts' block hashes play no part here
+
 
 def fifo_ttfts(requests: Sequence[SimRequest], prefill_s: Sequence[float], num_replicas: int) -> list[float]:
     """Each request's TTFT in arrival order, on the replica free soonest; `prefill_s[i]` is request i's."""
