@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+CORE_SHARING = ("step", "continuous")  # pdserve.sim.config.CORE_SHARING (not imported: the CLI starts light)
 SERVING_COSTS = ("step", "relay")  # pdserve.loadtest.validate: the serving layer's decode time, per step or per row
 
 
@@ -117,7 +118,7 @@ def parser() -> argparse.ArgumentParser:
                           help="how the serving layer's decode time is calibrated: per step from each target's "
                           "batch probe (reports without one fall back to relay), or per row from its idle "
                           "probe's TPOT, the calibration before the batch probe (default %(default)s)")
-    validate.add_argument("--core-sharing", choices=("step", "continuous"), default="step",
+    validate.add_argument("--core-sharing", choices=CORE_SHARING, default=CORE_SHARING[0],
                           help="how the model's steps share the host's cores: each slowed by the demand when it "
                           "starts, or all re-rated whenever a step starts or ends (default %(default)s)")
     validate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")

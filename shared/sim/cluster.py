@@ -273,7 +273,7 @@ class Simulation:
 
     def _step_done(self, payload: tuple[Replica, int]) -> int:
         replica, version = payload
-        if version != replica.step_version or replica.batch is None:
+        if version != replica.step_version:
             return 0  # its end moved since (shared cores)
         engine, batch = replica.engine, replica.batch
         engine.busy_until, replica.batch = None, None

@@ -8,6 +8,7 @@ from typing import Literal
 from pdserve.placement.policy import PlacementConfig
 
 MODES = ("disaggregated", "colocated")
+CORE_SHARING = ("step", "continuous")  # ClusterSpec.core_sharing
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ class ClusterSpec:
             raise ValueError("need at least one decode replica, and one prefill replica when disaggregated")
         if self.startup_s < 0:
             raise ValueError("startup_s must be >= 0")
-        if self.core_sharing not in ("step", "continuous"):
-            raise ValueError(f"core_sharing must be 'step' or 'continuous', got {self.core_sharing!r}")
+        if self.core_sharing not in CORE_SHARING:
+            raise ValueError(f"core_sharing must be one of {CORE_SHARING}, got {self.core_sharing!r}")
         if self.num_cores is not None and not self.num_cores > 0:
             raise ValueError(f"num_cores must be > 0, got {self.num_cores}")
         for name in ("off_step_cpu_token_s", "serving_cpu_token_s", "background_cores"):
