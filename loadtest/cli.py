@@ -15,6 +15,7 @@ from typing import Any
 
 CORE_SHARING = ("step", "continuous")  # pdserve.sim.config.CORE_SHARING (not imported: the CLI starts light)
 SERVING_COSTS = ("step", "relay")  # pdserve.loadtest.validate: the serving layer's decode time, per step or per row
+POLL_PHASES = 8  # pdserve.loadtest.validate.POLL_PHASES
 
 
 def length_spec(text: str) -> int | dict[str, Any]:
@@ -121,6 +122,10 @@ def parser() -> argparse.ArgumentParser:
     validate.add_argument("--core-sharing", choices=CORE_SHARING, default=CORE_SHARING[0],
                           help="how the model's steps share the host's cores: each slowed by the demand when it "
                           "starts, or all re-rated whenever a step starts or ends (default %(default)s)")
+    validate.add_argument("--poll-phases", type=int, default=POLL_PHASES, metavar="N",
+                          help="each prediction is the median of N simulations whose routers poll at phases "
+                          "spread over the poll period, as a live run's fall anywhere against its arrivals "
+                          "(1 with round_robin, which reads no stats; default %(default)s)")
     validate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     ratio = sub.add_parser("ratio", help="one target's goodput over the others' across a scenario's repeated "
                            "live runs: per run, pooled, and a 90%% interval (pdserve.loadtest.goodput_ratio)")
@@ -253,7 +258,8 @@ def validate_main(args: argparse.Namespace) -> int:
     from pdserve.loadtest.validation_runs import validate_main as validate
 
     print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write, args.serving_cores,
-                              args.replica_threads, args.serving_cost, args.core_sharing)))
+                              args.replica_threads, args.serving_cost, args.core_sharing,
+                              args.poll_phases)))
     return 0
 
 

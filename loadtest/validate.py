@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import statistics
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,13 +45,17 @@ from pdserve.sim.calibrate import (
 )
 from pdserve.sim.cluster import Simulation
 from pdserve.sim.config import ClusterSpec
-from pdserve.sim.results import aggregate
+from pdserve.sim.results import aggregate, median_aggregate
 from pdserve.sim.scenario import batch_latency, cluster_spec, idle_latency, load_profile
 from pdserve.sim.workload import requests_for
 
 TARGET_ERROR = 0.2
 LATENCIES = (("ttft_p50_ms", "ttft_ms", "p50"), ("ttft_p90_ms", "ttft_ms", "p90"),
              ("tpot_p50_ms", "tpot_ms", "p50"), ("tpot_p90_ms", "tpot_ms", "p90"))
+# a live run's router polls at an arbitrary phase of its arrivals; a prediction is the median over this
+# many phases, evenly spaced over the poll period (one where placement reads no stats)
+POLL_PHASES = 8
+STATS_FREE = frozenset({"round_robin"})
 FIT_SCALES = tuple(round(1.0 + 0.2 * k, 2) for k in range(11))  # 1.0 .. 3.0
 
 
@@ -86,9 +91,13 @@ class Model:
     """One scenario's simulated runs: the report's configuration, a calibration per target."""
 
     def __init__(self, scenario: Scenario, report: dict[str, Any], profile: LatencyProfile,
-                 serving_cores: float = 0.0, serving_cost: str = "step", core_sharing: str = "step") -> None:
+                 serving_cores: float = 0.0, serving_cost: str = "step", core_sharing: str = "step",
+                 poll_phases: int = POLL_PHASES) -> None:
         if serving_cost not in ("step", "relay"):
             raise ValueError(f"serving cost {serving_cost!r}: 'step' (the batch probe) or 'relay' (the idle probe)")
+        if poll_phases < 1:
+            raise ValueError(f"--poll-phases {poll_phases}: at least 1")
+        self.poll_phases = poll_phases
         self.profile, self.report, self.serving_cost = profile, report, serving_cost
         self.core_sharing = core_sharing  # ClusterSpec.core_sharing: "step" or "continuous"
         self.work: Workload = workload(report["workload"])
@@ -114,11 +123,18 @@ class Model:
         return self.simulate(spec, cal, rate)[0]
 
     def simulate(self, spec: ClusterSpec, cal: Calibration, rate: float) -> tuple[dict[str, Any], dict[str, float]]:
-        """(the point's aggregates, CPU seconds of each role's engine steps)"""
+        """(the point's aggregates, CPU seconds of each role's engine steps), each the median over
+        `poll_phases` phases of the routers' polls against the arrivals where placement reads the polls."""
         requests = requests_for(self.work, self.load, rate, spec.decode.block_size)
-        sim = Simulation(cal.spec(spec), cal.profile(self.profile), requests, placement_profile=self.profile)
-        records = sim.run()
-        return aggregate(cal.records(records), self.slo, rate, self.load.max_duration_s), sim.cpu_seconds()
+        phases = 1 if spec.router.placement.policy in STATS_FREE else self.poll_phases
+        points, cpus = [], []
+        for i in range(phases):
+            phased = dataclasses.replace(spec, router=dataclasses.replace(spec.router, poll_phase=i / phases))
+            sim = Simulation(cal.spec(phased), cal.profile(self.profile), requests,
+                             placement_profile=self.profile)
+            points.append(aggregate(cal.records(sim.run()), self.slo, rate, self.load.max_duration_s))
+            cpus.append(sim.cpu_seconds())
+        return median_aggregate(points), {role: statistics.median(c[role] for c in cpus) for role in cpus[0]}
 
     def calibrate(self, spec: ClusterSpec, target: dict[str, Any], scales: tuple[float, float, float],
                   source: str, cached_scale: float | None = None) -> Calibration:
@@ -216,15 +232,15 @@ def _profile_path(scenario: Scenario, report: dict[str, Any]) -> str:
 
 def validate(scenario: Scenario, report_path: Path, profile_path: str | None = None,
              serving_cores: float = 0.0, thread_factors: Mapping[str, float] | None = None,
-             replica_threads_n: int | None = None, serving_cost: str = "step", core_sharing: str = "step"
-             ) -> dict[str, Any]:
+             replica_threads_n: int | None = None, serving_cost: str = "step", core_sharing: str = "step",
+             poll_phases: int = POLL_PHASES) -> dict[str, Any]:
     """scenario name -> {max_abs_rel_error, figures: {name: {predicted, measured}}, calibration, ...}.
     `thread_factors`: the what-if of pdserve.loadtest.machine_threads, each machine check scaled by them;
     with `replica_threads_n`, only the checks of targets whose replicas all run that many threads."""
     report = load_report(report_path)
     path = profile_path or _profile_path(scenario, report)
     profile = load_profile(path)
-    model = Model(scenario, report, profile, serving_cores, serving_cost, core_sharing)
+    model = Model(scenario, report, profile, serving_cores, serving_cost, core_sharing, poll_phases)
     targets = report["targets"]
     fitted: tuple[tuple[float, float, float], float] | None = None
     if not any(t.get("machine") for t in targets) and not report.get("machine"):
@@ -279,7 +295,7 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
             f"; no machine check in the report: prefill and decode scales {fitted[0][0]:g} and {fitted[0][1]:g} "
             f"fitted on {', '.join(left_out)} (left out of the figures)" if fitted else " and machine checks"),
         "num_cores": model.num_cores, "serving_cores": serving_cores, "serving_cost": serving_cost,
-        "core_sharing": core_sharing,
+        "core_sharing": core_sharing, "poll_phases": poll_phases,
         "replica_thread_factors": thread_factors,
         "report": str(report_path), "report_commit": (report.get("provenance") or {}).get("commit"),
         "profile": path, "seed": scenario.seed,

@@ -13,7 +13,7 @@ from typing import Any
 
 from pdserve.loadtest.machine_threads import thread_factors
 from pdserve.loadtest.models import resolve_model
-from pdserve.loadtest.validate import TARGET_ERROR, load_scenario, validate
+from pdserve.loadtest.validate import POLL_PHASES, TARGET_ERROR, load_scenario, validate
 from pdserve.sim.calibrate import rel_error
 
 
@@ -75,14 +75,15 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
                  for r in runs],
         "profile": runs[0].get("profile"), "seed": runs[0].get("seed"), "num_cores": runs[0].get("num_cores"),
         "serving_cores": runs[0].get("serving_cores"), "serving_cost": runs[0].get("serving_cost"),
-        "core_sharing": runs[0].get("core_sharing"),
+        "core_sharing": runs[0].get("core_sharing"), "poll_phases": runs[0].get("poll_phases"),
         "replica_thread_factors": runs[0].get("replica_thread_factors"),
     }
 
 
 def validate_main(names: list[str], reports: list[str] | None, profile: str | None, write: Path | None,
                   serving_cores: float = 0.0, replica_threads: int | None = None,
-                  serving_cost: str = "step", core_sharing: str = "step") -> dict[str, Any]:
+                  serving_cost: str = "step", core_sharing: str = "step", poll_phases: int = POLL_PHASES
+                  ) -> dict[str, Any]:
     """`reports`: one scenario's live reports (several: repeated runs, combined); default
     loadtest/results/<name>/run-*/summary.json, else loadtest/results/<name>/summary.json.
     `replica_threads`: the what-if of pdserve.loadtest.machine_threads, measured here per scenario's model."""
@@ -100,7 +101,7 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
                 measured[model] = thread_factors(model, replica_threads)
             factors = measured[model]
         out[scenario.name] = combine([validate(scenario, path, profile, serving_cores, factors, replica_threads,
-                                               serving_cost, core_sharing) for path in paths])
+                                               serving_cost, core_sharing, poll_phases) for path in paths])
     if write is not None:
         existing: dict[str, Any] = {}
         if write.exists():

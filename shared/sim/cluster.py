@@ -2,12 +2,13 @@
 engine steps, KV handoffs, and (optionally) an autoscaler adding and draining replicas.
 
 Routers: request i goes to router i mod n. Each router polls every replica's stats every poll_s (the
-routers' polls are staggered over the period) and places with `create_policy` on those snapshots plus its
-own pending placements (pdserve.placement.pending, as the live placer does). Disaggregated: the request
-queues on its prefill replica; when its prompt is done its KV moves for `kv_transfer_s` (its prefill
-blocks held until then), its first token reaches the client at the end of the transfer, and it joins the
-decode replica. Without a prefill replica in the placement, the decode replica prefills it locally.
-A draining replica takes no new placement and leaves once it holds no work (nothing is lost).
+routers' polls are staggered over the period, at `poll_phase` against the arrivals) and places with
+`create_policy` on those snapshots plus its own pending placements (pdserve.placement.pending, as the
+live placer does). Disaggregated: the request queues on its prefill replica; when its prompt is done its
+KV moves for `kv_transfer_s` (its prefill blocks held until then), its first token reaches the client at
+the end of the transfer, and it joins the decode replica. Without a prefill replica in the placement, the
+decode replica prefills it locally. A draining replica takes no new placement and leaves once it holds no
+work (nothing is lost).
 """
 
 from __future__ import annotations
@@ -146,9 +147,12 @@ class Simulation:
     def run(self) -> list[RequestRecord]:
         for record in self.records:
             self._push(record.request.arrival_s, ARRIVAL, record)
-        period = self.spec.router.poll_s
+        period, phase = self.spec.router.poll_s, self.spec.router.poll_phase
         for k in range(len(self.policies)):
-            self._push(k * period / len(self.policies), POLL, k)
+            first = (k + phase) * period / len(self.policies)
+            if first > 0:
+                self._poll(k)  # its previous poll, of the idle system: live routers poll from start-up
+            self._push(first, POLL, k)
         if self.scaler is not None:
             self._push(self.scaler.interval_s, SCALE, None)
         remaining, last_work = len(self.records), 0.0

@@ -43,10 +43,15 @@ class RouterSpec:
     # the router reads the latency profile (router.profile_path); without one, slo_aware falls back to
     # least_loaded, as the live placer does
     has_profile: bool = True
+    # where the polls fall against the arrivals, in [0, 1) of a poll period: router k first polls at
+    # (k + poll_phase) / num_routers periods (a live router's timer starts at an arbitrary moment)
+    poll_phase: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_routers < 1 or self.pending_grace_s < 0:
             raise ValueError("num_routers >= 1 and pending_grace_s >= 0")
+        if not 0.0 <= self.poll_phase < 1.0:
+            raise ValueError(f"poll_phase must be in [0, 1), got {self.poll_phase}")
 
     @property
     def poll_s(self) -> float:

@@ -3,7 +3,8 @@ functions (pdserve.loadtest.metrics / slo): TTFT and TPOT percentiles, SLO attai
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,3 +84,14 @@ def aggregate(records: Sequence[RequestRecord], slo: SLO, rate: float | None = N
         "slo_attainment": attainment(results, slo), "goodput_rps": request_goodput(results, slo, duration),
         "preemptions": sum(r.num_preemptions for r in records),
     }
+
+
+def median_aggregate(points: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per key, the median of several simulations of one point (numbers; None where every one is None);
+    other values from the first."""
+    out = dict(points[0])
+    for key, value in out.items():
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            values = [p[key] for p in points if p[key] is not None]
+            out[key] = statistics.median(values) if values else None
+    return out

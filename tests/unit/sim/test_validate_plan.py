@@ -46,6 +46,7 @@ def test_validate_puts_each_measured_figure_beside_a_prediction(monkeypatch, cap
     errors = [abs(f["predicted"] - f["measured"]) / f["measured"] for f in result["figures"].values() if f["measured"]]
     assert result["max_abs_rel_error"] == pytest.approx(max(errors))
     assert result["calibration"]["disaggregated"]["source"] == "machine check"
+    assert result["poll_phases"] == 8  # each prediction the median over the polls' phases
     assert json.loads(out.read_text()).keys() == {"other-scenario", "disagg-vs-colocated"}
 
 
@@ -59,6 +60,7 @@ def test_validate_puts_each_measured_figure_beside_a_prediction(monkeypatch, cap
     (["validate", "disagg-vs-colocated", "--serving-cores", "2"], "--serving-cores 2"),
     (["validate", "disagg-vs-colocated", "--serving-cores", "-0.5"], "--serving-cores -0.5"),
     (["validate", "disagg-vs-colocated", "--replica-threads", "0"], "--replica-threads must be >= 1"),
+    (["validate", "disagg-vs-colocated", "--poll-phases", "0"], "--poll-phases 0"),
 ])
 def test_validate_bad_input_is_one_line_and_exit_code_2(monkeypatch, tmp_path, capsys, argv, needle):
     monkeypatch.chdir(REPO)
@@ -123,7 +125,8 @@ def test_validate_calibrates_off_step_cpu_on_the_lowest_rate_and_checks_it_on_th
     and every other point's CPU is predicted beside its measurement. A report without CPU
     (disagg-vs-colocated) gets no such cost."""
     monkeypatch.chdir(REPO)
-    assert loadtest_main(["validate", "prefix-routing", "disagg-vs-colocated", "--json"]) == 0
+    assert loadtest_main(["validate", "prefix-routing", "disagg-vs-colocated", "--poll-phases", "1",
+                          "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     prefix = printed["prefix-routing"]
     report = json.loads((REPO / "loadtest/results/prefix-routing/summary.json").read_text())
@@ -144,7 +147,8 @@ def test_serving_cores_are_taken_from_the_hosts_cores(monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     runs = []
     for cores in ("0", "0.5"):
-        assert loadtest_main(["validate", "router-policies", "--serving-cores", cores, "--json"]) == 0
+        assert loadtest_main(["validate", "router-policies", "--serving-cores", cores, "--poll-phases", "1",
+                              "--json"]) == 0
         runs.append(json.loads(capsys.readouterr().out)["router-policies"])
     assert (runs[0]["num_cores"], runs[1]["num_cores"], runs[1]["serving_cores"]) == (2, 1.5, 0.5)
     figure = "least_loaded/1/tpot_p90_ms"
@@ -157,7 +161,8 @@ def test_the_batch_probe_calibrates_a_cost_per_step_and_relay_the_idle_gap_per_r
     monkeypatch.chdir(REPO)
     runs = {}
     for cost in ("step", "relay"):
-        assert loadtest_main(["validate", "disagg-vs-colocated-fixed", "--serving-cost", cost, "--json"]) == 0
+        assert loadtest_main(["validate", "disagg-vs-colocated-fixed", "--serving-cost", cost,
+                              "--poll-phases", "1", "--json"]) == 0
         runs[cost] = json.loads(capsys.readouterr().out)["disagg-vs-colocated-fixed"]
         assert runs[cost]["serving_cost"] == cost
     for run in runs["step"]["runs"]:
@@ -203,10 +208,11 @@ def test_repeated_runs_are_combined_per_figure_as_medians_with_their_ranges():
 def test_validate_takes_a_report_per_repetition(monkeypatch, capsys):
     """`--report` twice: the same report twice combines to the single report's figures, with no spread."""
     monkeypatch.chdir(REPO)
-    assert loadtest_main(["validate", "disagg-vs-colocated", "--report", str(REPORT), "--json"]) == 0
+    one_phase = ["--poll-phases", "1", "--json"]
+    assert loadtest_main(["validate", "disagg-vs-colocated", "--report", str(REPORT), *one_phase]) == 0
     once = json.loads(capsys.readouterr().out)["disagg-vs-colocated"]
     assert loadtest_main(["validate", "disagg-vs-colocated", "--report", str(REPORT), "--report", str(REPORT),
-                          "--json"]) == 0
+                          *one_phase]) == 0
     twice = json.loads(capsys.readouterr().out)["disagg-vs-colocated"]
     assert twice["repetitions"] == 2 and twice["max_measured_spread"] == 0.0
     assert {k: v["predicted"] for k, v in twice["figures"].items()} == \
@@ -220,7 +226,8 @@ def test_core_sharing_is_a_choice_of_the_model_not_of_the_measurement(monkeypatc
     monkeypatch.chdir(REPO)
     runs = {}
     for sharing in ("step", "continuous"):
-        assert loadtest_main(["validate", "prefix-routing-fixed", "--core-sharing", sharing, "--json"]) == 0
+        assert loadtest_main(["validate", "prefix-routing-fixed", "--core-sharing", sharing, "--poll-phases",
+                              "1", "--json"]) == 0
         runs[sharing] = json.loads(capsys.readouterr().out)["prefix-routing-fixed"]
         assert runs[sharing]["core_sharing"] == sharing
     figure = "least_loaded/5.66/ttft_p90_ms"
