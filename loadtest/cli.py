@@ -126,6 +126,10 @@ def parser() -> argparse.ArgumentParser:
                           help="each prediction is the median of N simulations whose routers poll at phases "
                           "spread over the poll period, as a live run's fall anywhere against its arrivals "
                           "(1 with round_robin, which reads no stats; default %(default)s)")
+    validate.add_argument("--contention", action="store_true",
+                          help="what-if: where a target ran more one-thread engines than its host had cores, "
+                          "measure here how much such engines slow beyond a fair share of the cores, for a "
+                          "prefill and a decode step, and model it (pdserve.loadtest.contention; ~1 min)")
     validate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     ratio = sub.add_parser("ratio", help="one target's goodput over the others' across a scenario's repeated "
                            "live runs: per run, pooled, and a 90%% interval (pdserve.loadtest.goodput_ratio)")
@@ -259,7 +263,7 @@ def validate_main(args: argparse.Namespace) -> int:
 
     print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write, args.serving_cores,
                               args.replica_threads, args.serving_cost, args.core_sharing,
-                              args.poll_phases)))
+                              args.poll_phases, args.contention)))
     return 0
 
 

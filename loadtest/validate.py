@@ -92,12 +92,12 @@ class Model:
 
     def __init__(self, scenario: Scenario, report: dict[str, Any], profile: LatencyProfile,
                  serving_cores: float = 0.0, serving_cost: str = "step", core_sharing: str = "step",
-                 poll_phases: int = POLL_PHASES) -> None:
+                 poll_phases: int = POLL_PHASES, oversubscribed: tuple[float, float] = (1.0, 1.0)) -> None:
         if serving_cost not in ("step", "relay"):
             raise ValueError(f"serving cost {serving_cost!r}: 'step' (the batch probe) or 'relay' (the idle probe)")
         if poll_phases < 1:
             raise ValueError(f"--poll-phases {poll_phases}: at least 1")
-        self.poll_phases = poll_phases
+        self.poll_phases, self.oversubscribed = poll_phases, oversubscribed
         self.profile, self.report, self.serving_cost = profile, report, serving_cost
         self.core_sharing = core_sharing  # ClusterSpec.core_sharing: "step" or "continuous"
         self.work: Workload = workload(report["workload"])
@@ -117,7 +117,7 @@ class Model:
     def spec(self, target: dict[str, Any]) -> ClusterSpec:
         """The target's system on the report's host: every replica shares its cores."""
         return dataclasses.replace(cluster_spec(target["system"], self.profile), num_cores=self.num_cores,
-                                   core_sharing=self.core_sharing)
+                                   core_sharing=self.core_sharing, oversubscribed_scale=self.oversubscribed)
 
     def point(self, spec: ClusterSpec, cal: Calibration, rate: float) -> dict[str, Any]:
         return self.simulate(spec, cal, rate)[0]
@@ -233,14 +233,16 @@ def _profile_path(scenario: Scenario, report: dict[str, Any]) -> str:
 def validate(scenario: Scenario, report_path: Path, profile_path: str | None = None,
              serving_cores: float = 0.0, thread_factors: Mapping[str, float] | None = None,
              replica_threads_n: int | None = None, serving_cost: str = "step", core_sharing: str = "step",
-             poll_phases: int = POLL_PHASES) -> dict[str, Any]:
+             poll_phases: int = POLL_PHASES, contention: Mapping[str, float] | None = None) -> dict[str, Any]:
     """scenario name -> {max_abs_rel_error, figures: {name: {predicted, measured}}, calibration, ...}.
     `thread_factors`: the what-if of pdserve.loadtest.machine_threads, each machine check scaled by them;
     with `replica_threads_n`, only the checks of targets whose replicas all run that many threads."""
     report = load_report(report_path)
     path = profile_path or _profile_path(scenario, report)
     profile = load_profile(path)
-    model = Model(scenario, report, profile, serving_cores, serving_cost, core_sharing, poll_phases)
+    oversubscribed = (contention["prefill"], contention["decode"]) if contention else (1.0, 1.0)
+    model = Model(scenario, report, profile, serving_cores, serving_cost, core_sharing, poll_phases,
+                  oversubscribed)
     targets = report["targets"]
     fitted: tuple[tuple[float, float, float], float] | None = None
     if not any(t.get("machine") for t in targets) and not report.get("machine"):
@@ -295,7 +297,7 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
             f"; no machine check in the report: prefill and decode scales {fitted[0][0]:g} and {fitted[0][1]:g} "
             f"fitted on {', '.join(left_out)} (left out of the figures)" if fitted else " and machine checks"),
         "num_cores": model.num_cores, "serving_cores": serving_cores, "serving_cost": serving_cost,
-        "core_sharing": core_sharing, "poll_phases": poll_phases,
+        "core_sharing": core_sharing, "poll_phases": poll_phases, "contention": contention,
         "replica_thread_factors": thread_factors,
         "report": str(report_path), "report_commit": (report.get("provenance") or {}).get("commit"),
         "profile": path, "seed": scenario.seed,

@@ -11,9 +11,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from pdserve.loadtest.contention import engines_per_host
+from pdserve.loadtest.contention import measure as measure_contention
 from pdserve.loadtest.machine_threads import thread_factors
 from pdserve.loadtest.models import resolve_model
-from pdserve.loadtest.validate import POLL_PHASES, TARGET_ERROR, load_scenario, validate
+from pdserve.loadtest.validate import POLL_PHASES, TARGET_ERROR, load_report, load_scenario, validate
 from pdserve.sim.calibrate import rel_error
 
 
@@ -76,21 +78,24 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "profile": runs[0].get("profile"), "seed": runs[0].get("seed"), "num_cores": runs[0].get("num_cores"),
         "serving_cores": runs[0].get("serving_cores"), "serving_cost": runs[0].get("serving_cost"),
         "core_sharing": runs[0].get("core_sharing"), "poll_phases": runs[0].get("poll_phases"),
+        "contention": runs[0].get("contention"),
         "replica_thread_factors": runs[0].get("replica_thread_factors"),
     }
 
 
 def validate_main(names: list[str], reports: list[str] | None, profile: str | None, write: Path | None,
                   serving_cores: float = 0.0, replica_threads: int | None = None,
-                  serving_cost: str = "step", core_sharing: str = "step", poll_phases: int = POLL_PHASES
-                  ) -> dict[str, Any]:
+                  serving_cost: str = "step", core_sharing: str = "step", poll_phases: int = POLL_PHASES,
+                  contention: bool = False) -> dict[str, Any]:
     """`reports`: one scenario's live reports (several: repeated runs, combined); default
     loadtest/results/<name>/run-*/summary.json, else loadtest/results/<name>/summary.json.
-    `replica_threads`: the what-if of pdserve.loadtest.machine_threads, measured here per scenario's model."""
+    `replica_threads`: the what-if of pdserve.loadtest.machine_threads, measured here per scenario's model;
+    `contention`: that of pdserve.loadtest.contention, for scenarios whose engines over-subscribe the host."""
     if reports and len(names) != 1:
         raise ValueError("--report goes with exactly one scenario")
     out: dict[str, Any] = {}
     measured: dict[str, dict[str, float]] = {}
+    shared: dict[tuple[str, int, float], dict[str, float]] = {}
     for arg in names:
         scenario = load_scenario(arg)
         paths = [Path(r) for r in reports] if reports else report_paths(Path("loadtest/results") / scenario.name)
@@ -100,8 +105,16 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
             if model not in measured:  # scenarios sharing a model share one measurement
                 measured[model] = thread_factors(model, replica_threads)
             factors = measured[model]
+        slowdown = None
+        if contention and paths:
+            report = load_report(paths[0])
+            key = (resolve_model(scenario.model), engines_per_host(report),
+                   float(((report.get("provenance") or {}).get("host") or {}).get("cores") or 0))
+            if key[2] and key[1] > key[2]:
+                slowdown = shared[key] if key in shared else shared.setdefault(key, measure_contention(*key))
         out[scenario.name] = combine([validate(scenario, path, profile, serving_cores, factors, replica_threads,
-                                               serving_cost, core_sharing, poll_phases) for path in paths])
+                                               serving_cost, core_sharing, poll_phases, slowdown)
+                                      for path in paths])
     if write is not None:
         existing: dict[str, Any] = {}
         if write.exists():

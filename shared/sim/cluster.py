@@ -246,7 +246,7 @@ class Simulation:
         replica.cpu_s += profiled * self._threads(replica)
         replica.batch, replica.step_start = batch, self.now
         if self.cores is None:
-            engine.busy_until = self.now + profiled * self._sharing(replica)
+            engine.busy_until = self.now + profiled * self._sharing(replica, batch)
             replica.step_version += 1
             self._push(engine.busy_until, STEP, (replica, replica.step_version))
         else:
@@ -262,14 +262,18 @@ class Simulation:
             replica.step_version += 1
             self._push(end, STEP, (replica, replica.step_version))
 
-    def _sharing(self, replica: Replica) -> float:
+    def _sharing(self, replica: Replica, batch: Batch) -> float:
         """Slow-down of a step starting now on a shared host: the threads of every busy replica (this one
-        included) over its cores, fixed for the step's length."""
+        included) over its cores, fixed for the step's length; over-subscribed, times the measured scale."""
         cores = self.spec.num_cores
         if cores is None:
             return 1.0
         busy = sum(self._threads(r) for r in self.replicas if r is replica or r.engine.busy_until is not None)
-        return max(1.0, (busy + self.off_step.cores(self.now) + self.spec.background_cores) / cores)
+        fair = max(1.0, (busy + self.off_step.cores(self.now) + self.spec.background_cores) / cores)
+        if busy <= cores:
+            return fair
+        prefill_scale, decode_scale = self.spec.oversubscribed_scale
+        return fair * (prefill_scale if batch.prefills else decode_scale)
 
     def _threads(self, replica: Replica) -> float:
         cores = self.spec.num_cores

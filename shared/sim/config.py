@@ -81,6 +81,9 @@ class ClusterSpec:
     # all the time (Ray's processes, idle loops), in cores
     serving_cpu_token_s: float = 0.0
     background_cores: float = 0.0
+    # "step" sharing, while the busy replicas' threads exceed num_cores: a step's slow-down beyond the fair
+    # share, (a step with a prefill, a decode-only step), as measured (pdserve.loadtest.contention)
+    oversubscribed_scale: tuple[float, float] = (1.0, 1.0)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -96,6 +99,8 @@ class ClusterSpec:
         for name in ("off_step_cpu_token_s", "serving_cpu_token_s", "background_cores"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if len(self.oversubscribed_scale) != 2 or not all(s > 0 for s in self.oversubscribed_scale):
+            raise ValueError(f"oversubscribed_scale must be two factors > 0, got {self.oversubscribed_scale}")
 
 
 @dataclass(frozen=True)

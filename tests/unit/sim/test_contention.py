@@ -1,0 +1,67 @@
+"""Over-subscribed cores: the simulator's measured slow-down beyond a fair share
+(`ClusterSpec.oversubscribed_scale`), and the probe that measures it (pdserve.loadtest.contention)."""
+
+from __future__ import annotations
+
+import pytest
+from pdserve.loadtest.contention import engines_per_host, measure
+from pdserve.sim.cluster import Simulation
+from pdserve.sim.config import ClusterSpec, SimRequest
+
+
+def _slowest_ttft(profile, num_cores: float, scale: tuple[float, float]) -> float:
+    spec = ClusterSpec(mode="colocated", num_decode=3, num_cores=num_cores, oversubscribed_scale=scale)
+    records = Simulation(spec, profile, [SimRequest(i, 0.0, 500, 1) for i in range(3)]).run()
+    return max(r.ttft_s for r in records)
+
+
+def test_a_prefill_on_oversubscribed_cores_takes_the_fair_share_times_its_scale(profile):
+    alone = profile.for_role("decode").prefill_time_s(500)
+    assert _slowest_ttft(profile, 2.0, (1.2, 0.9)) == pytest.approx(alone * 1.5 * 1.2)
+    assert _slowest_ttft(profile, 2.0, (1.0, 1.0)) == pytest.approx(alone * 1.5)
+
+
+def test_the_scale_is_left_out_while_the_busy_engines_fit_the_cores(profile):
+    alone = profile.for_role("decode").prefill_time_s(500)
+    assert _slowest_ttft(profile, 3.0, (1.2, 0.9)) == pytest.approx(alone)
+
+
+def test_decode_only_steps_take_the_decode_scale(profile):
+    """Three long decodes on two cores: after the prefills, every step is decode-only and over-subscribed,
+    so the TPOT moves by the decode scale alone."""
+    def tpot(scale: tuple[float, float]) -> float:
+        spec = ClusterSpec(mode="colocated", num_decode=3, num_cores=2.0, oversubscribed_scale=scale)
+        records = Simulation(spec, profile, [SimRequest(i, 0.0, 64, 200) for i in range(3)]).run()
+        return max(r.tpot_s for r in records)
+
+    assert tpot((1.0, 0.8)) == pytest.approx(0.8 * tpot((1.0, 1.0)), rel=0.02)
+    assert tpot((3.0, 1.0)) == pytest.approx(tpot((1.0, 1.0)), rel=0.02)
+
+
+@pytest.mark.parametrize("scale", [(0.0, 1.0), (1.0, -1.0), (1.0,)])
+def test_a_scale_that_is_not_two_positive_factors_is_refused(scale):
+    with pytest.raises(ValueError, match="oversubscribed_scale"):
+        ClusterSpec(num_cores=2.0, oversubscribed_scale=scale)
+
+
+def test_engines_per_host_counts_both_pools_unless_colocated():
+    report = {"targets": [{"system": {"mode": "colocated", "decode": {"num_replicas": 3}}},
+                          {"system": {"prefill": {"num_replicas": 1}, "decode": {"num_replicas": 2}}},
+                          {"system": {}}]}
+    assert engines_per_host(report) == 3
+    assert engines_per_host({"targets": [{"system": {}}]}) == 2
+
+
+def test_the_probe_refuses_what_is_not_contention():
+    with pytest.raises(ValueError, match="at least 2 engines"):
+        measure("tiny", 1, 2.0)
+
+
+@pytest.mark.slow
+def test_the_probe_times_real_engines_together_and_alone():
+    """Two one-thread engines of the tiny model, as separate processes, on this machine's cores: positive
+    ratios, each factor the ratio over the fair share (no assertion on their size: timings are noisy)."""
+    out = measure("tiny", 2, 1.0, window_s=4.0, steps=2)
+    assert out["fair_share"] == 2.0
+    for shape in ("prefill", "decode"):
+        assert out[f"{shape}_ratio"] > 0 and out[shape] == pytest.approx(out[f"{shape}_ratio"] / 2.0)
