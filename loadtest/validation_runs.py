@@ -110,8 +110,10 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
             report = load_report(paths[0])
             key = (resolve_model(scenario.model), engines_per_host(report),
                    float(((report.get("provenance") or {}).get("host") or {}).get("cores") or 0))
-            if key[2] and key[1] > key[2]:
-                slowdown = shared[key] if key in shared else shared.setdefault(key, measure_contention(*key))
+            if key[2] and key[1] > key[2]:  # more engines than cores; scenarios alike share one measurement
+                if key not in shared:
+                    shared[key] = measure_contention(*key)
+                slowdown = shared[key]
         out[scenario.name] = combine([validate(scenario, path, profile, serving_cores, factors, replica_threads,
                                                serving_cost, core_sharing, poll_phases, slowdown)
                                       for path in paths])
