@@ -3,10 +3,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+from pdserve.loadtest.cli import main as loadtest_main
 from pdserve.loadtest.contention import engines_per_host, measure
 from pdserve.sim.cluster import Simulation
 from pdserve.sim.config import ClusterSpec, SimRequest
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _slowest_ttft(profile, num_cores: float, scale: tuple[float, float]) -> float:
@@ -65,3 +71,20 @@ def test_the_probe_times_real_engines_together_and_alone():
     assert out["fair_share"] == 2.0
     for shape in ("prefill", "decode"):
         assert out[f"{shape}_ratio"] > 0 and out[shape] == pytest.approx(out[f"{shape}_ratio"] / 2.0)
+
+
+@pytest.mark.slow
+def test_validate_measures_contention_only_where_a_target_ran_more_engines_than_cores(monkeypatch, capsys):
+    """prefix-routing-fixed ran three engines on its report's two cores: measured here and modelled;
+    disagg-vs-colocated-fixed ran two: nothing to measure, and its figures are those without the flag."""
+    monkeypatch.chdir(REPO)
+    argv = ["validate", "prefix-routing-fixed", "disagg-vs-colocated-fixed", "--poll-phases", "1", "--json"]
+    assert loadtest_main([*argv, "--contention"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    measured = out["prefix-routing-fixed"]["contention"]
+    assert (measured["copies"], measured["cores"], measured["fair_share"]) == (3, 2.0, 1.5)
+    assert measured["prefill"] > 0 and measured["decode"] > 0
+    assert out["disagg-vs-colocated-fixed"]["contention"] is None
+    assert loadtest_main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)["disagg-vs-colocated-fixed"]
+    assert plain["figures"] == out["disagg-vs-colocated-fixed"]["figures"]
