@@ -28,25 +28,47 @@ static void dequant_row_fast(const qweight *w, int64_t n, float *out) {
 
 #endif
 
-/* code at position q of pair p in one row (quant_layout.h) */
-static inline int code_at(const uint8_t *row, int bits, int64_t K, int64_t p, int q) {
-    if (bits == 8) return row[p * 64 + q];
-    if (p + 1 < K / 64 || p % 2 == 1) return (row[(p / 2) * 64 + q] >> (4 * (p % 2))) & 15;
-    return (row[p * 32 + q % 32] >> (4 * (q / 32))) & 15; /* a last pair alone */
+/* pair p of row n in position order (quant_layout.h), exactly code * scale + offset: position 8j + i lies in
+ * block i / 4 of the pair, so every loop runs over whole 8-float vectors (AVX2 and up) */
+void pd_quant_pair_values(const qweight *w, const uint8_t *row, int64_t n, int64_t p, float *out) {
+    uint8_t c[64];
+    if (w->bits == 8) {
+        for (int q = 0; q < 64; q++) c[q] = row[p * 64 + q];
+    } else if (p + 1 < w->K / 64 || p % 2 == 1) {
+        const uint8_t *b = row + (p / 2) * 64;
+        const int shift = 4 * (int)(p % 2);
+        for (int q = 0; q < 64; q++) c[q] = (uint8_t)((b[q] >> shift) & 15);
+    } else { /* a last pair alone */
+        const uint8_t *b = row + p * 32;
+        for (int q = 0; q < 32; q++) {
+            c[q] = b[q] & 15;
+            c[q + 32] = b[q] >> 4;
+        }
+    }
+    const int64_t groups = w->K / w->group;
+    float d[8], m[8];
+    for (int block = 0; block < 2; block++) {
+        const int64_t g = n * groups + (p * 64 + block * 32) / w->group;
+        const float dg = scale_at(w->scale, w->half, g), mg = scale_at(w->offset, w->half, g);
+        for (int i = 0; i < 4; i++) {
+            d[4 * block + i] = dg;
+            m[4 * block + i] = mg;
+        }
+    }
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < 8; i++) out[8 * j + i] = (float)c[8 * j + i] * d[i] + m[i];
 }
 
-/* row n of w as float32 [K], exactly code * scale + offset; position q of a pair-block holds element
- * e = 32 * ((q / 4) % 2) + 4 * (q / 8) + q % 4 */
+/* row n of w as float32 [K] in element order: position 8j + 4 * block + i holds element 32 * block + 4j + i */
 void pd_quant_dequant_row(const qweight *w, int64_t n, float *out) {
-    const int64_t K = w->K, groups = K / w->group;
     const uint8_t *row = w->packed + n * row_bytes(w);
-    for (int64_t p = 0; p < K / 64; p++)
-        for (int q = 0; q < 64; q++) {
-            const int lane = q / 4;
-            const int64_t e = p * 64 + (lane % 2) * 32 + (lane / 2) * 4 + q % 4, g = n * groups + e / w->group;
-            out[e] = (float)code_at(row, w->bits, K, p, q) * scale_at(w->scale, w->half, g)
-                     + scale_at(w->offset, w->half, g);
-        }
+    float pair[64];
+    for (int64_t p = 0; p < w->K / 64; p++) {
+        pd_quant_pair_values(w, row, n, p, pair);
+        for (int block = 0; block < 2; block++)
+            for (int j = 0; j < 8; j++)
+                for (int i = 0; i < 4; i++) out[p * 64 + block * 32 + 4 * j + i] = pair[8 * j + 4 * block + i];
+    }
 }
 
 /* rows n0:n1 of w as float32 [n1 - n0, K] */

@@ -33,6 +33,8 @@ static inline int64_t row_bytes(const qweight *w) { return w->bits == 4 ? w->K /
 
 /* row n of w as float32 [K], exactly (quant_dequant.c) */
 void pd_quant_dequant_row(const qweight *w, int64_t n, float *out);
+/* pair p of row n (its bytes `row`) as float32 [64] in position order, exactly (quant_dequant.c) */
+void pd_quant_pair_values(const qweight *w, const uint8_t *row, int64_t n, int64_t p, float *out);
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define PD_QUANT_VNNI 1
