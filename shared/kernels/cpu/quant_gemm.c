@@ -3,8 +3,7 @@
  *
  * AVX-512 VNNI: the codes multiply x held in two int8 planes per 32-element block (x ~ s (hi + lo / 256),
  * relative error under 2^-15 of the block's largest |x|), int32 dot products, float32 scales and sums.
- * Elsewhere: the row dequantized exactly to float32 in the layout's position order (quant_dequant.c), then a
- * float32 dot product with x permuted the same way.
+ * Elsewhere: float32 dot products with every weight dequantized exactly (quant_gemm_f32.c).
  */
 #include <math.h>
 #include <stdint.h>
@@ -228,35 +227,11 @@ void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, 
 
 int pd_quant_isa(void) { return 1; } /* 1: AVX-512 VNNI, x in two int8 planes; 0: portable float32 */
 
-#else /* portable: float32 activations, exact weights; x permuted once into the layout's position order */
+#else /* float32 activations, exact weights (quant_gemm_f32.c) */
 
 void pd_quant_gemm(const float *x, int64_t M, int64_t K, const uint8_t *packed, int bits, const void *scale,
                    const void *offset, int half, int64_t group, int64_t N, float *y) {
-    const qweight w = {packed, scale, offset, bits, half, K, group};
-    float *xp = malloc(M * K * sizeof(float)); /* [M, K]: position 8j + 4 * block + i of pair p */
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t p = 0; p < K / 64; p++)
-            for (int block = 0; block < 2; block++)
-                for (int j = 0; j < 8; j++)
-                    for (int i = 0; i < 4; i++)
-                        xp[m * K + p * 64 + 8 * j + 4 * block + i] = x[m * K + p * 64 + block * 32 + 4 * j + i];
-#pragma omp parallel
-    {
-        float *row = malloc(K * sizeof(float));
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            const uint8_t *codes = packed + n * row_bytes(&w);
-            for (int64_t p = 0; p < K / 64; p++) pd_quant_pair_values(&w, codes, n, p, row + p * 64);
-            for (int64_t m = 0; m < M; m++) {
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t k = 0; k < K; k++) acc += row[k] * xp[m * K + k];
-                y[m * N + n] = acc;
-            }
-        }
-        free(row);
-    }
-    free(xp);
+    pd_quant_gemm_f32(x, M, K, packed, bits, scale, offset, half, group, N, y);
 }
 
 int pd_quant_isa(void) { return 0; }

@@ -35,6 +35,9 @@ static inline int64_t row_bytes(const qweight *w) { return w->bits == 4 ? w->K /
 void pd_quant_dequant_row(const qweight *w, int64_t n, float *out);
 /* pair p of row n (its bytes `row`) as float32 [64] in position order, exactly (quant_dequant.c) */
 void pd_quant_pair_values(const qweight *w, const uint8_t *row, int64_t n, int64_t p, float *out);
+/* y [M, N] = x [M, K] @ w^T in float32 with exact weights (quant_gemm_f32.c) */
+void pd_quant_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *packed, int bits, const void *scale,
+                       const void *offset, int half, int64_t group, int64_t N, float *y);
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define PD_QUANT_VNNI 1
