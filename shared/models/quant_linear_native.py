@@ -2,7 +2,7 @@
 
 One copy of the weight: the codes in the kernel's packed layout (int4: half a byte a weight) and the group
 scales and offsets, float16 where exact (GGUF's: Q4_1 is then 20 bytes per 32 weights, as in the file).
-Up to `max_kernel_rows` rows (NATIVE_MAX_KERNEL_ROWS: a decode step, and prefills up to that many tokens) the
+Up to `max_kernel_rows` rows (`native_max_kernel_rows`: a decode step, and prefills up to that many tokens) the
 kernel multiplies them with float32 input directly; above it the weight is dequantized exactly to float32,
 DEQUANT_CHUNK output rows at a time, for a float32 matmul.
 """
@@ -19,6 +19,14 @@ from pdserve.models.quantization import QuantizedWeight
 # rows up to which the kernel serves: at one thread (the default model's shapes, AMD EPYC) it ran 1.2-1.6x the
 # dequantize-and-matmul path at 64-128 rows, 1.06-1.25x at 512, 1.03-1.32x at 1,024, 0.95-1.31x at 2,048
 NATIVE_MAX_KERNEL_ROWS = 1024
+# the float32 path (no AVX-512 VNNI) reads x once per output channel: on AVX2 (2-core AMD EPYC, 2 threads, the
+# default model's four shapes) it took 0.3x the dequantize-and-matmul time at 1-4 rows, 0.88x at 16, 1.1x at 24
+NATIVE_F32_MAX_KERNEL_ROWS = 16
+
+
+def native_max_kernel_rows(kernel: str) -> int:
+    """Rows up to which `kernel` ("native-vnni" or "native-f32") serves."""
+    return NATIVE_MAX_KERNEL_ROWS if kernel == "native-vnni" else NATIVE_F32_MAX_KERNEL_ROWS
 
 
 def native_kernel_takes(weight: QuantizedWeight) -> bool:
@@ -56,7 +64,7 @@ class NativeQuantLinear(nn.Module):
         self.in_features, self.out_features = k, n
         self.bits, self.group_size = bits, k // groups
         self.kernel = f"native-{cpu_quant.isa(self.lib)}"
-        self.max_kernel_rows = NATIVE_MAX_KERNEL_ROWS
+        self.max_kernel_rows = native_max_kernel_rows(self.kernel)
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
         self.register_buffer("packed", packed)  # [N, K] (8 bits) or [N, K / 2] (4 bits) uint8
         self.register_buffer("scale", scale)  # [N, K / group] float16 (when exact) or float32

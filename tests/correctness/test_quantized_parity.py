@@ -27,7 +27,7 @@ from pdserve.kernels import cpu_quant
 from pdserve.models.attention import AttentionMetadata, PrefillChunk
 from pdserve.models.linear import Linear
 from pdserve.models.quant_linear import MAX_KERNEL_ROWS, QuantEmbedding, QuantLinear
-from pdserve.models.quant_linear_native import NATIVE_MAX_KERNEL_ROWS, NativeQuantLinear
+from pdserve.models.quant_linear_native import NativeQuantLinear, native_max_kernel_rows
 from pdserve.models.resolve import DEFAULT_MODEL
 from pdserve.sampling_params import SamplingParams
 
@@ -83,7 +83,7 @@ def _set_kernel_rows(llm: LLM, rows: int | None) -> None:
     """None: each linear's serving default."""
     for module in llm.engine.runner.model.modules():
         if isinstance(module, NativeQuantLinear):
-            module.max_kernel_rows = NATIVE_MAX_KERNEL_ROWS if rows is None else rows
+            module.max_kernel_rows = native_max_kernel_rows(module.kernel) if rows is None else rows
         elif isinstance(module, QuantLinear):
             module.max_kernel_rows = MAX_KERNEL_ROWS if rows is None else rows
 

@@ -4,7 +4,7 @@
  * x is permuted once per call into the layout's position order, so that a pair's 64 codes meet their x in
  * place: position 8j + 4 * block + i of pair p holds element 64p + 32 * block + 4j + i.
  * AVX2 + FMA: the codes widened 8 at a time, dequantized in one fused multiply-add against the pair's
- * scales {d_A x4, d_B x4}, and multiplied into up to 4 rows of x at once. Elsewhere: the row dequantized
+ * scales {d_A x4, d_B x4}, and multiplied into 2 rows of x at once (4 ran slower: 2-core AMD EPYC, AVX2). Elsewhere: the row dequantized
  * into a buffer (quant_dequant.c) and a float32 dot product per row of x. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,12 +44,12 @@ static inline __attribute__((always_inline)) void pair_bytes(const qweight *w, c
     }
 }
 
-/* rows n of y for MT rows of x (xp, position order) at once */
+/* column n of y for MT rows of x (xp, position order) at once */
 static inline __attribute__((always_inline)) void rows_avx2(const qweight *w, const float *xp, int64_t N,
                                                            int64_t n, const int MT, float *y) {
     const int64_t K = w->K, groups = K / w->group;
     const uint8_t *row = w->packed + n * row_bytes(w);
-    __m256 acc[4][2];
+    __m256 acc[2][2];
     for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t p = 0; p < K / 64; p++) {
         __m128i b[4];
@@ -79,15 +79,9 @@ static void gemm_rows(const qweight *w, const float *xp, int64_t M, int64_t N, f
     const int64_t K = w->K;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const float *xm = xp + m0 * K;
-            float *ym = y + m0 * N;
-            switch (M - m0 < 4 ? M - m0 : 4) { /* constant MT: the accumulators stay in registers */
-                case 1: rows_avx2(w, xm, N, n, 1, ym); break;
-                case 2: rows_avx2(w, xm, N, n, 2, ym); break;
-                case 3: rows_avx2(w, xm, N, n, 3, ym); break;
-                default: rows_avx2(w, xm, N, n, 4, ym); break;
-            }
+        for (int64_t m0 = 0; m0 < M; m0 += 2) { /* constant MT: the accumulators stay in registers */
+            if (M - m0 == 1) rows_avx2(w, xp + m0 * K, N, n, 1, y + m0 * N);
+            else rows_avx2(w, xp + m0 * K, N, n, 2, y + m0 * N);
         }
 }
 
