@@ -13,14 +13,15 @@ stored copy is the quantized one only.
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pdserve.models.quantization import QuantizedWeight
 
-N_BLOCK = 64  # torch's CPU int4 layout: rows n and n + 32 of each 64-row block share a byte
 MAX_KERNEL_ROWS = 32
 DEQUANT_CHUNK = 1024  # output rows dequantized at a time above max_kernel_rows (a [1024, K] float32 buffer)
 _WORKSPACE: dict[str, torch.Tensor] = {}  # reused dequantization buffers: fresh large ones page-fault
@@ -32,6 +33,55 @@ def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
         buffer = _WORKSPACE[name] = torch.empty(size, dtype=dtype)
     return buffer[:size].view(shape)
+
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """Torch's CPU int4 weight layout, [N / block_rows, K, block_rows / 2] bytes: byte [b, k, j] holds
+    column k of row `order()[j]` of block b in its low nibble and of row `order()[half + j]` in its high one."""
+
+    block_rows: int  # 4 float vectors: 64 under AVX-512, 32 under AVX2 or torch's scalar build
+    interleaved: bool  # scalar build: rows 2j and 2j + 1 share a byte; vector builds: rows j and j + half
+
+    @property
+    def half(self) -> int:
+        return self.block_rows // 2
+
+    def order(self) -> torch.Tensor:
+        """[block_rows]: the row within its block of nibble h of byte j, at h * half + j."""
+        h, j = torch.arange(2).repeat_interleave(self.half), torch.arange(self.half).repeat(2)
+        return 2 * j + h if self.interleaved else h * self.half + j
+
+    def to_rows(self, y: torch.Tensor) -> torch.Tensor:
+        """[..., nb * block_rows] in (block, nibble, byte) order -> the same in row order."""
+        if not self.interleaved:
+            return y
+        lead = y.shape[:-1]
+        return y.view(*lead, -1, 2, self.half).transpose(-1, -2).reshape(*lead, -1)
+
+    def unpack(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """packed [N, K / 2] -> codes [N, K] uint8."""
+        blocks = packed.view(n // self.block_rows, k, self.half)
+        return self.to_rows(torch.cat([blocks & 15, blocks >> 4], dim=2)).transpose(1, 2).reshape(n, k)
+
+
+@functools.cache
+def torch_int4_layout() -> Int4Layout:
+    """Probed once per process: torch picks the layout by the vector ISA it dispatches to (the CPU, or
+    ATEN_CPU_CAPABILITY), and both QuantLinear's dequantizing path and its scales must follow it."""
+    convert, k = torch.ops.aten._convert_weight_to_int4pack_for_cpu, 32
+    for rows in (16, 32, 64, 128):  # the first block's size: row `rows` is the first of the second block
+        probe = torch.zeros(2 * rows, k, dtype=torch.int32)
+        probe[rows, 0] = 1
+        if convert(probe, 1).view(-1)[rows * k // 2] == 1:
+            break
+    probe = torch.zeros(rows, k, dtype=torch.int32)
+    probe[1, 0] = 1
+    layout = Int4Layout(rows, bool(convert(probe, 1).view(-1)[0] == 16))
+    codes = torch.randint(0, 16, (2 * rows, k), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    if not torch.equal(layout.unpack(convert(codes, 1), 2 * rows, k), codes.to(torch.uint8)):
+        raise RuntimeError(f"torch's CPU int4 layout is none pdserve reads (probed {layout})")
+    return layout
 
 
 def int4pack(codes: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
@@ -62,11 +112,12 @@ class QuantLinear(nn.Module):
             self._exact_scales(weight)
             return
         self.kernel = "int4" if weight.bits == 4 else "int8_split"
+        self.layout = torch_int4_layout()
         if weight.group_size not in (32, 64, 128, 256):
             raise ValueError(
                 f"tensor {name!r}: group size {weight.group_size} is not one of 32, 64, 128, 256"
             )
-        if pad := -n % N_BLOCK:  # zero rows up to torch's 64-row blocks; forward drops their outputs
+        if pad := -n % self.layout.block_rows:  # zero rows up to torch's blocks; forward drops their outputs
             weight = QuantizedWeight(
                 *(nn.functional.pad(t, (0, 0, 0, pad)) for t in (weight.codes, weight.scale, weight.offset)),
                 weight.bits,
@@ -85,15 +136,16 @@ class QuantLinear(nn.Module):
         self.register_buffer("kernel_scales", sz.to(torch.bfloat16).contiguous())
 
     def _exact_scales(self, weight: QuantizedWeight) -> None:
-        # for the dequantizing path, float32: [N, 1] per channel; else [N / 64, 2, G, 1, 32], element
-        # [b, h, g, 0, j] for output row 64 b + 32 h + j (torch's int4 row pairing)
+        # for the dequantizing path, float32: [N, 1] per channel; else [N / B, 2, G, 1, B / 2] for torch's
+        # blocks of B rows, element [b, h, g, 0, j] for the row in nibble h of byte j of block b
         if self.kernel == "int8_channel":
             self.register_buffer("scale", weight.scale.contiguous())
             self.register_buffer("offset", weight.offset.contiguous())
             return
-        n, g = weight.scale.shape
+        (n, g), layout = weight.scale.shape, self.layout
         for name, t in (("scale", weight.scale), ("offset", weight.offset)):
-            blocked = t.view(n // N_BLOCK, 2, N_BLOCK // 2, g).permute(0, 1, 3, 2).unsqueeze(3)
+            ordered = t.view(n // layout.block_rows, layout.block_rows, g)[:, layout.order()]
+            blocked = ordered.view(-1, 2, layout.half, g).permute(0, 1, 3, 2).unsqueeze(3)
             self.register_buffer(name, blocked.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,35 +178,34 @@ class QuantLinear(nn.Module):
             return torch.cat(
                 [rows @ self.dequantize(s, s + DEQUANT_CHUNK).t() for s in range(0, n, DEQUANT_CHUNK)], 1
             )
-        step = DEQUANT_CHUNK // N_BLOCK
+        step = DEQUANT_CHUNK // self.layout.block_rows
         outs = []
         for b0 in range(0, self.scale.shape[0], step):
-            w = self._dequant_blocks(b0, min(b0 + step, self.scale.shape[0]))  # [nb * 2, K, 32]
-            outs.append(
-                torch.matmul(rows, w).transpose(0, 1).reshape(m, -1)
-            )  # [nb * 2, M, 32] -> [M, nb * 64]
+            w = self._dequant_blocks(b0, min(b0 + step, self.scale.shape[0]))  # [nb * 2, K, B / 2]
+            y = torch.matmul(rows, w).transpose(0, 1).reshape(m, -1)  # [nb * 2, M, B / 2] -> [M, nb * B]
+            outs.append(self.layout.to_rows(y))
         return torch.cat(outs, 1)[:, :n]
 
     def _dequant_blocks(self, b0: int, b1: int) -> torch.Tensor:
-        """Row blocks b0:b1 as float32 [(b1 - b0) * 2, K, 32], a workspace view:
-        [2 b + h, k, j] is w[64 b + 32 h + j, k]."""
-        k, nb, g = self.in_features, b1 - b0, self.scale.shape[2]
-        codes = _scratch("codes", (nb, 2, k, N_BLOCK // 2), torch.uint8)
-        blocks = self.packed[b0 * N_BLOCK : b1 * N_BLOCK]
+        """Row blocks b0:b1 of torch's layout as float32 [(b1 - b0) * 2, K, B / 2], a workspace view:
+        [2 b + h, k, j] is column k of the row in nibble h of byte j of block b."""
+        k, nb, g, half = self.in_features, b1 - b0, self.scale.shape[2], self.layout.half
+        codes = _scratch("codes", (nb, 2, k, half), torch.uint8)
+        blocks = self.packed[b0 * self.layout.block_rows : b1 * self.layout.block_rows]
         if self.kernel == "int4":
-            blocks = blocks.view(nb, k, N_BLOCK // 2)  # byte [b, k, j]: row 64 b + j low, 64 b + 32 + j high
+            blocks = blocks.view(nb, k, half)
             torch.bitwise_and(blocks, 15, out=codes[:, 0])
             torch.bitwise_right_shift(blocks, 4, out=codes[:, 1])
         else:  # planes along K: high nibbles of the 8-bit codes, then low nibbles
-            blocks = blocks.view(nb, 2 * k, N_BLOCK // 2)
+            blocks = blocks.view(nb, 2 * k, half)
             high, low = blocks[:, :k], blocks[:, k:]
             torch.bitwise_left_shift(high, 4, out=codes[:, 0]).bitwise_or_(low & 15)
             torch.bitwise_and(high, 0xF0, out=codes[:, 1]).bitwise_or_(low >> 4)
-        shape = (nb, 2, g, k // g, N_BLOCK // 2)
+        shape = (nb, 2, g, k // g, half)
         floats = _scratch("floats", shape, torch.float32).copy_(codes.view(shape))
         weights = _scratch("weights", shape, torch.float32)
         torch.addcmul(self.offset[b0:b1], floats, self.scale[b0:b1], out=weights)
-        return weights.view(nb * 2, k, N_BLOCK // 2)
+        return weights.view(nb * 2, k, half)
 
     def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Output rows start:end as float32 [end - start, K]: exactly codes * scale + offset."""
@@ -163,9 +214,10 @@ class QuantLinear(nn.Module):
             return torch.addcmul(
                 self.offset[start:end], self.packed[start:end].float() + 128, self.scale[start:end]
             )
-        b0, b1 = start // N_BLOCK, math.ceil(end / N_BLOCK)
-        w = self._dequant_blocks(b0, b1).transpose(0, 1).reshape(self.in_features, -1).t()
-        return w[start - b0 * N_BLOCK : end - b0 * N_BLOCK].clone()
+        rows = self.layout.block_rows
+        b0, b1 = start // rows, math.ceil(end / rows)
+        w = self.layout.to_rows(self._dequant_blocks(b0, b1).transpose(0, 1).reshape(self.in_features, -1)).t()
+        return w[start - b0 * rows : end - b0 * rows].clone()
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers()) + (

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +15,7 @@ gguf = pytest.importorskip("gguf")
 
 from pdserve.config import QUANTIZATIONS as CONFIG_QUANTIZATIONS
 from pdserve.config import EngineConfig
-from pdserve.models.quant_linear import N_BLOCK, QuantEmbedding, QuantLinear, int4pack
+from pdserve.models.quant_linear import QuantEmbedding, QuantLinear, int4pack, torch_int4_layout
 from pdserve.models.quantization import (
     QUANTIZATIONS,
     from_gguf_blocks,
@@ -42,13 +47,45 @@ def test_blocks_read_as_gguf_dequantizes_them(type_name: str) -> None:
 
 
 @pytest.mark.parametrize("n", [64, 192])
-def test_torch_int4_layout_pairs_rows_j_and_j_plus_32_of_each_64_row_block(n: int) -> None:
-    """The layout QuantLinear's dequantizing path reads: byte [b, k, j] of [N / 64, K, 32] holds row 64 b + j
-    in its low nibble and row 64 b + 32 + j in its high nibble, at column k."""
+def test_the_probed_layout_reads_torchs_int4_packing_back(n: int) -> None:
+    """The layout QuantLinear's dequantizing path reads, probed from torch in this process."""
     codes = torch.randint(0, 16, (n, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
-    blocks = int4pack(codes).view(n // N_BLOCK, 96, N_BLOCK // 2)
-    unpacked = torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(n, 96)
-    assert torch.equal(unpacked, codes)
+    assert torch.equal(torch_int4_layout().unpack(int4pack(codes), n, 96), codes)
+
+
+LAYOUT_CHECK = textwrap.dedent("""
+    import torch
+    from pdserve.models.quant_linear import Int4Layout, QuantLinear, torch_int4_layout
+    from pdserve.models.quantization import quantize_rtn
+    expected = {"DEFAULT": Int4Layout(32, True), "AVX2": Int4Layout(32, False), "AVX512": Int4Layout(64, False)}
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert torch_int4_layout() == expected[capability], (capability, torch_int4_layout())
+    gen = torch.Generator().manual_seed(0)
+    for bits in (4, 8):
+        weight = quantize_rtn(torch.randn(100, 64, generator=gen) * 0.1, bits, 32, "t")
+        linear, reference = QuantLinear(weight, None, "t"), weight.dequantize()
+        assert torch.equal(linear.dequantize(), reference)
+        assert torch.equal(linear.dequantize(40, 90), reference[40:90])
+        x = torch.randn(linear.max_kernel_rows + 3, 64, generator=gen)
+        torch.testing.assert_close(linear(x), x @ reference.t(), rtol=1e-5, atol=1e-5)
+        few = x[:2]
+        error = (linear(few) - few @ reference.t()).abs().max() / (few @ reference.t()).abs().max()
+        assert error < 1e-2, error
+    print(capability)
+""")
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_quant_linear_follows_torchs_layout_under_each_cpu_capability(capability: str) -> None:
+    """Torch packs int4 weights in blocks of 64 rows under AVX-512, 32 under AVX2 and 32 interleaved in its
+    scalar build. ATEN_CPU_CAPABILITY picks the build; one above the CPU's would die of an illegal instruction."""
+    levels = ["default", "avx2", "avx512"]
+    native = torch.backends.cpu.get_cpu_capability().lower()
+    if native not in levels or levels.index(capability) > levels.index(native):
+        pytest.skip(f"this CPU runs torch's {native} build")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    done = subprocess.run([sys.executable, "-c", LAYOUT_CHECK], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_torch_int4_cpu_kernel_dequantizes_as_q_minus_8_times_scale_plus_zero() -> None:
