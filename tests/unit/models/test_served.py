@@ -14,7 +14,7 @@ from pdserve.kernels import cpu_quant
 from pdserve.models.gguf import ensure_hf_checkpoint
 from pdserve.models.linear import Linear
 from pdserve.models.loader import load_model
-from pdserve.models.quant_linear import QuantLinear
+from pdserve.models.quant_linear import QuantLinear, torch_int4_layout
 from pdserve.models.quant_linear_native import NativeQuantLinear
 from pdserve.models.served import check_quantization, decode_read_bytes, describe_weights
 from pdserve.models.tiny import ensure_tiny_checkpoint
@@ -59,8 +59,10 @@ def test_gguf_auto_names_each_linears_blocks(tmp_path: Path, llama_gguf, monkeyp
     assert "1 linears int4 (GGUF Q4_0, kernel int4)" in line  # the LM head
     assert line.endswith("embedding from GGUF blocks (Q8_0)")
     head = model.lm_head
-    # int4 at 1 row: half a byte per weight (rows padded to 64) and a bfloat16 scale and zero per group of 32
-    rows = -(-head.out_features // 64) * 64
+    # int4 at 1 row: half a byte per weight (rows padded to torch's blocks) and a bfloat16 scale and zero per group
+    # of 32
+    block = torch_int4_layout().block_rows
+    rows = -(-head.out_features // block) * block
     assert _nbytes(head.packed) + _nbytes(head.kernel_scales) == rows * head.in_features // 2 + rows * (
         head.in_features // 32) * 4
 
