@@ -1,6 +1,6 @@
 """pdserve's native CPU kernels (`cpu/*.c`), built on first use into one library loaded with ctypes.
 
-- `cpu/quant_gemm.c` (AVX-512 VNNI), `cpu/quant_gemm_f32.c` (AVX2 and portable), `cpu/quant_dequant.c`
+- `cpu/quant_gemm.c` (AVX-512 VNNI), `cpu/quant_gemm_avx2.c` (AVX2), `cpu/quant_gemm_f32.c` (portable), `cpu/quant_dequant.c`
   (layout in `cpu/quant_layout.h`): weight-only int4/int8 linears (pdserve.kernels.cpu_quant);
 - `cpu/paged_decode.c`: decode attention over the paged float32 KV cache and the KV store
   (pdserve.kernels.cpu_attention);
@@ -30,7 +30,7 @@ import torch  # noqa: F401  (loaded first: the library's libgomp.so.1 resolves t
 KERNEL_ENV = "PDSERVE_CPU_KERNELS"
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"
 SOURCES = tuple(Path(__file__).parent / "cpu" / name
-                for name in ("quant_gemm.c", "quant_gemm_f32.c", "quant_dequant.c", "paged_decode.c",
+                for name in ("quant_gemm.c", "quant_gemm_avx2.c", "quant_gemm_f32.c", "quant_dequant.c", "paged_decode.c",
                              "norm_rope.c", "decode_layers.c"))
 HEADERS = tuple(Path(__file__).parent / "cpu" / name for name in ("simd_math.h", "quant_layout.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")

@@ -44,8 +44,9 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def isa(lib: ctypes.CDLL) -> str:
-    """"vnni" (AVX-512 VNNI, x in two int8 planes) or "f32" (exact float32 dot products)."""
-    return "vnni" if lib.pd_quant_isa() == 1 else "f32"
+    """"vnni" (AVX-512 VNNI) or "avx2", both with x in two int8 planes, or "f32" (exact float32 dot
+    products)."""
+    return {1: "vnni", 2: "avx2"}.get(lib.pd_quant_isa(), "f32")
 
 
 def takes(k: int, group: int) -> bool:

@@ -19,13 +19,14 @@ from pdserve.models.quantization import QuantizedWeight
 # rows up to which the kernel serves: at one thread (the default model's shapes, AMD EPYC) it ran 1.2-1.6x the
 # dequantize-and-matmul path at 64-128 rows, 1.06-1.25x at 512, 1.03-1.32x at 1,024, 0.95-1.31x at 2,048
 NATIVE_MAX_KERNEL_ROWS = 1024
-# the float32 path (no AVX-512 VNNI) reads x once per output channel: on AVX2 (2-core AMD EPYC, 2 threads, the
-# default model's four shapes) it took 0.3x the dequantize-and-matmul time at 1-4 rows, 0.88x at 16, 1.1x at 24
+# without AVX-512 VNNI, above a few rows (the AVX2 kernel's int8 GEMV, quant_gemm.c) the float32 path serves,
+# which reads x once per output channel: on AVX2 (2-core AMD EPYC, 2 threads, the default model's four shapes)
+# it took 0.3x the dequantize-and-matmul time at 1-4 rows, 0.88x at 16, 1.1x at 24
 NATIVE_F32_MAX_KERNEL_ROWS = 16
 
 
 def native_max_kernel_rows(kernel: str) -> int:
-    """Rows up to which `kernel` ("native-vnni" or "native-f32") serves."""
+    """Rows up to which `kernel` ("native-vnni", "native-avx2" or "native-f32") serves."""
     return NATIVE_MAX_KERNEL_ROWS if kernel == "native-vnni" else NATIVE_F32_MAX_KERNEL_ROWS
 
 
@@ -39,7 +40,8 @@ def native_kernel_takes(weight: QuantizedWeight) -> bool:
 
 
 class NativeQuantLinear(nn.Module):
-    """y = x @ w.T + bias for a quantized w [out, in]; `kernel` is "native-vnni" or "native-f32"."""
+    """y = x @ w.T + bias for a quantized w [out, in]; `kernel` is "native-vnni", "native-avx2" or
+    "native-f32"."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         scale, offset = cpu_quant.scales(weight.scale, weight.offset)

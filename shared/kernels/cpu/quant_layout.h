@@ -71,4 +71,14 @@ static inline __attribute__((always_inline)) __m512i pair_codes(const qweight *w
 #else
 #define PD_QUANT_VNNI 0
 #endif
+
+#if !PD_QUANT_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PD_QUANT_AVX2 1
+#include <immintrin.h>
+/* y [N] = w @ x [K], x in two int8 planes as the VNNI path holds it (quant_gemm_avx2.c) */
+void pd_quant_gemv_avx2(const float *x, int64_t K, const uint8_t *packed, int bits, const void *scale,
+                        const void *offset, int half, int64_t group, int64_t N, float *y);
+#else
+#define PD_QUANT_AVX2 0
+#endif
 #endif

@@ -1,6 +1,7 @@
 """pdserve's native CPU kernel for weight-only quantized linears (pdserve.kernels.cpu_quant), built here with
 the system compiler as users' processes build it: the packed layout round-trips exactly, the GEMM matches
-a float64 reference at every tile shape, on the AVX-512 VNNI build, the AVX2 one and the generic one."""
+a float64 reference at every tile shape, on the AVX-512 VNNI build, the AVX2 one and the generic one (the
+float32 path in plain C)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pdserve.models.quantization import QuantizedWeight, quantize_rtn, quantize_
 if cpu_quant.library() is None:
     pytest.skip(f"native kernel not built: {cpu_quant.unavailable_reason()}", allow_module_level=True)
 
-PORTABLE = cpu_quant.FLAGS + ("-mno-avx512f",)  # the float32 path: AVX2 + FMA where the CPU has them
+PORTABLE = cpu_quant.FLAGS + ("-mno-avx512f",)  # the AVX2 path where the CPU has AVX2, FMA and F16C
 GENERIC = PORTABLE + ("-mno-avx2",)  # the float32 path in plain C, as on CPUs without AVX2
 BUILDS = {"native": cpu_quant.FLAGS, "portable": PORTABLE, "generic": GENERIC}
 
@@ -39,10 +40,11 @@ def _lib(build: str):
 
 
 def test_the_builds_report_their_instruction_sets() -> None:
-    assert cpu_quant.isa(_lib("portable")) == cpu_quant.isa(_lib("generic")) == "f32"
     with open("/proc/cpuinfo") as f:
-        vnni = "avx512_vnni" in f.read()
-    assert cpu_quant.isa(_lib("native")) == ("vnni" if vnni else "f32")
+        flags = next(line for line in f if line.startswith("flags")).split()
+    avx2 = "avx2" if {"avx2", "fma", "f16c"} <= set(flags) else "f32"
+    assert cpu_quant.isa(_lib("generic")) == "f32" and cpu_quant.isa(_lib("portable")) == avx2
+    assert cpu_quant.isa(_lib("native")) == ("vnni" if {"avx512bw", "avx512_vnni"} <= set(flags) else avx2)
 
 
 def test_pack_order_is_a_permutation_with_one_block_per_lane() -> None:
@@ -86,7 +88,36 @@ def test_gemm_matches_float64(build: str, scales: str, bits: int, group: int, ro
     ref = x.double() @ w.dequantize().double().t()
     y = cpu_quant.quant_gemm(_lib(build), x, cpu_quant.pack(w.codes, bits), bits, *SCALES[scales](w))
     rel = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-    assert rel < (1e-6 if build != "native" or cpu_quant.isa(_lib(build)) == "f32" else 2e-4), rel
+    assert rel < (1e-6 if cpu_quant.isa(_lib(build)) == "f32" else 2e-4), rel
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("k", "rows"), [(576, 1), (576, 3), (640, 2), (640, 9)])
+def test_gemm_matches_float64_over_long_rows(build: str, bits: int, k: int, rows: int) -> None:
+    """Rows of 18 and 20 scale groups: the offsets' term by 8 groups at a time and a remainder; K = 576 ends
+    in an int4 pair stored alone; 2, 3 and 9 rows: row by row, and the float32 path above it (AVX2)."""
+    w = _weight(37, k, bits, k + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) + 0.5  # sums of x do not cancel
+    ref = x.double() @ w.dequantize().double().t()
+    y = cpu_quant.quant_gemm(_lib(build), x, cpu_quant.pack(w.codes, bits), bits, *cpu_quant.scales(w.scale, w.offset))
+    rel = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    assert rel < (1e-6 if cpu_quant.isa(_lib(build)) == "f32" else 2e-4), rel
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_extreme_codes_against_full_scale_input_do_not_saturate(build: str, bits: int) -> None:
+    """Every code 0 or the largest against x at +-max|x| (the int8 planes' +-127): the int16 pair sums of
+    vpmaddubsw stay in range (8-bit codes go as c - 128: |-128 * 127| * 2 < 2^15)."""
+    top = 2**bits - 1
+    codes = torch.tensor([[0] * 64, [top] * 64, [0, top] * 32, [top, 0] * 32], dtype=torch.uint8).repeat(2, 2)
+    w = QuantizedWeight(codes, torch.full((8, 4), 0.5), torch.full((8, 4), -1.0), bits)
+    x = torch.tensor([[3.0] * 128, [-3.0] * 128, [3.0, -3.0] * 64])
+    ref = x.double() @ w.dequantize().double().t()
+    packed = cpu_quant.pack(w.codes, bits)
+    y = torch.cat([cpu_quant.quant_gemm(_lib(build), row[None], packed, bits, w.scale, w.offset) for row in x])
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
 
 
 def test_zero_input_gives_the_zero_output() -> None:
