@@ -77,21 +77,6 @@ static inline __attribute__((always_inline)) __m512 weight_scales(const qweight 
     return _mm512_broadcast_f32x2(two);
 }
 
-/* At one row, the rows PREFETCH_ROWS ahead of those being read are requested explicitly: a decode step's
- * matrices are 0.2-1 MB, each thread streams its half once per call, and the hardware prefetchers' ramp on
- * so short a stream left a batch-1 step's linears at about half the read bandwidth (a batch-1 decode of the
- * default model ran 1.2x faster with it, the same tokens; the multi-row path, compute-bound, showed no
- * change beyond this VM's noise either way and is left without). Hints past the matrix's end are harmless. */
-#define PREFETCH_ROWS 16
-
-static inline __attribute__((always_inline)) void prefetch_row(const qweight *w, int64_t n) {
-    const int64_t groups = w->K / w->group, elem = w->half ? 2 : 4;
-    const char *row = (const char *)w->packed + n * row_bytes(w);
-    for (int64_t off = 0; off < row_bytes(w); off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
-    _mm_prefetch((const char *)w->scale + n * groups * elem, _MM_HINT_T0);
-    _mm_prefetch((const char *)w->offset + n * groups * elem, _MM_HINT_T0);
-}
-
 /* one output: channel n's lane sums plus the offsets' term, the sum over groups of offset * sum(x) of the row
  * (`gsum`: that row's group sums) */
 static inline __attribute__((always_inline)) float channel_sum(const qweight *w, int64_t n, const float *gsum,

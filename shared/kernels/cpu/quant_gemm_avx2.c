@@ -159,16 +159,6 @@ static inline __attribute__((always_inline)) float channel_sum(const qweight *w,
     return total;
 }
 
-#define PREFETCH_ROWS 16 /* rows ahead hinted at one row of x, as quant_gemm.c's VNNI path does */
-
-static inline __attribute__((always_inline)) void prefetch_row(const qweight *w, int64_t n) {
-    const int64_t groups = w->K / w->group, elem = w->half ? 2 : 4;
-    const char *row = (const char *)w->packed + n * row_bytes(w);
-    for (int64_t off = 0; off < row_bytes(w); off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
-    _mm_prefetch((const char *)w->scale + n * groups * elem, _MM_HINT_T0);
-    _mm_prefetch((const char *)w->offset + n * groups * elem, _MM_HINT_T0);
-}
-
 #define NT 4
 
 /* acc += pair p of a channel (codes c, weight scales d) against x */
