@@ -130,6 +130,9 @@ def parser() -> argparse.ArgumentParser:
                           help="what-if: where a target ran more one-thread engines than its host had cores, "
                           "measure here how much such engines slow beyond a fair share of the cores, for a "
                           "prefill and a decode step, and model it (pdserve.loadtest.contention; ~1 min)")
+    validate.add_argument("--noise-ceiling", action="store_true",
+                          help="also the chance that an exact model meets the ±20%% target against runs like "
+                               "these, the poll phase being their only noise (pdserve.loadtest.validation_ceiling)")
     validate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     ratio = sub.add_parser("ratio", help="one target's goodput over the others' across a scenario's repeated "
                            "live runs: per run, pooled, and a 90%% interval (pdserve.loadtest.goodput_ratio)")
@@ -263,7 +266,7 @@ def validate_main(args: argparse.Namespace) -> int:
 
     print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write, args.serving_cores,
                               args.replica_threads, args.serving_cost, args.core_sharing,
-                              args.poll_phases, args.contention)))
+                              args.poll_phases, args.contention, args.noise_ceiling)))
     return 0
 
 

@@ -25,7 +25,7 @@ import dataclasses
 import itertools
 import json
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -125,16 +125,24 @@ class Model:
     def simulate(self, spec: ClusterSpec, cal: Calibration, rate: float) -> tuple[dict[str, Any], dict[str, float]]:
         """(the point's aggregates, CPU seconds of each role's engine steps), each the median over
         `poll_phases` phases of the routers' polls against the arrivals where placement reads the polls."""
+        runs = self.phase_points(spec, cal, rate, self.poll_phases)
+        return (median_aggregate([point for point, _ in runs]),
+                {role: statistics.median(cpu[role] for _, cpu in runs) for role in runs[0][1]})
+
+    def phase_points(self, spec: ClusterSpec, cal: Calibration, rate: float, phases: int
+                     ) -> list[tuple[dict[str, Any], dict[str, float]]]:
+        """(aggregates, CPU seconds of each role's steps) at `phases` phases of the routers' polls, evenly
+        spaced over the poll period; one where placement reads no stats."""
         requests = requests_for(self.work, self.load, rate, spec.decode.block_size)
-        phases = 1 if spec.router.placement.policy in STATS_FREE else self.poll_phases
-        points, cpus = [], []
+        phases = 1 if spec.router.placement.policy in STATS_FREE else phases
+        runs = []
         for i in range(phases):
             phased = dataclasses.replace(spec, router=dataclasses.replace(spec.router, poll_phase=i / phases))
             sim = Simulation(cal.spec(phased), cal.profile(self.profile), requests,
                              placement_profile=self.profile)
-            points.append(aggregate(cal.records(sim.run()), self.slo, rate, self.load.max_duration_s))
-            cpus.append(sim.cpu_seconds())
-        return median_aggregate(points), {role: statistics.median(c[role] for c in cpus) for role in cpus[0]}
+            runs.append((aggregate(cal.records(sim.run()), self.slo, rate, self.load.max_duration_s),
+                         sim.cpu_seconds()))
+        return runs
 
     def calibrate(self, spec: ClusterSpec, target: dict[str, Any], scales: tuple[float, float, float],
                   source: str, cached_scale: float | None = None) -> Calibration:
@@ -233,10 +241,13 @@ def _profile_path(scenario: Scenario, report: dict[str, Any]) -> str:
 def validate(scenario: Scenario, report_path: Path, profile_path: str | None = None,
              serving_cores: float = 0.0, thread_factors: Mapping[str, float] | None = None,
              replica_threads_n: int | None = None, serving_cost: str = "step", core_sharing: str = "step",
-             poll_phases: int = POLL_PHASES, contention: Mapping[str, float] | None = None) -> dict[str, Any]:
+             poll_phases: int = POLL_PHASES, contention: Mapping[str, float] | None = None,
+             observe: Callable[[Model, dict[str, Any], ClusterSpec, Calibration], None] | None = None
+             ) -> dict[str, Any]:
     """scenario name -> {max_abs_rel_error, figures: {name: {predicted, measured}}, calibration, ...}.
     `thread_factors`: the what-if of pdserve.loadtest.machine_threads, each machine check scaled by them;
-    with `replica_threads_n`, only the checks of targets whose replicas all run that many threads."""
+    with `replica_threads_n`, only the checks of targets whose replicas all run that many threads.
+    `observe(model, target, spec, calibration)` is called once per target, calibrated."""
     report = load_report(report_path)
     path = profile_path or _profile_path(scenario, report)
     profile = load_profile(path)
@@ -266,6 +277,8 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
             cached = None
         cal = model.calibrate(spec, target, scales, source, cached)
         calibrations[name] = {**cal.to_dict(), "idle_measured_ms": target["idle"]}
+        if observe is not None:
+            observe(model, target, spec, cal)
         lowest = min(p["rate"] for p in target["points"])
         for point in sorted(target["points"], key=lambda p: p["rate"]):
             rate = point["rate"]

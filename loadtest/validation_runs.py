@@ -16,6 +16,7 @@ from pdserve.loadtest.contention import measure as measure_contention
 from pdserve.loadtest.machine_threads import thread_factors
 from pdserve.loadtest.models import resolve_model
 from pdserve.loadtest.validate import POLL_PHASES, TARGET_ERROR, load_report, load_scenario, validate
+from pdserve.loadtest.validation_ceiling import RunPhases, ceiling
 from pdserve.sim.calibrate import rel_error
 
 
@@ -86,11 +87,12 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def validate_main(names: list[str], reports: list[str] | None, profile: str | None, write: Path | None,
                   serving_cores: float = 0.0, replica_threads: int | None = None,
                   serving_cost: str = "step", core_sharing: str = "step", poll_phases: int = POLL_PHASES,
-                  contention: bool = False) -> dict[str, Any]:
+                  contention: bool = False, noise_ceiling: bool = False) -> dict[str, Any]:
     """`reports`: one scenario's live reports (several: repeated runs, combined); default
     loadtest/results/<name>/run-*/summary.json, else loadtest/results/<name>/summary.json.
     `replica_threads`: the what-if of pdserve.loadtest.machine_threads, measured here per scenario's model;
-    `contention`: that of pdserve.loadtest.contention, for scenarios whose engines over-subscribe the host."""
+    `contention`: that of pdserve.loadtest.contention, for scenarios whose engines over-subscribe the host;
+    `noise_ceiling`: each scenario's `noise_ceiling` (pdserve.loadtest.validation_ceiling) beside its figures."""
     if reports and len(names) != 1:
         raise ValueError("--report goes with exactly one scenario")
     out: dict[str, Any] = {}
@@ -114,9 +116,18 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
                 if key not in shared:
                     shared[key] = measure_contention(*key)
                 slowdown = shared[key]
-        out[scenario.name] = combine([validate(scenario, path, profile, serving_cores, factors, replica_threads,
-                                               serving_cost, core_sharing, poll_phases, slowdown)
-                                      for path in paths])
+        runs, phased = [], []
+        for path in paths:
+            observe = RunPhases() if noise_ceiling else None
+            runs.append(validate(scenario, path, profile, serving_cores, factors, replica_threads, serving_cost,
+                                 core_sharing, poll_phases, slowdown, observe))
+            if observe is not None:
+                observe.predicted = {k: v["predicted"] for k, v in runs[-1]["figures"].items()}
+                phased.append(observe)
+        out[scenario.name] = combine(runs)
+        if phased:
+            goal = float(load_report(paths[0])["sweep"].get("target", 0.9))
+            out[scenario.name]["noise_ceiling"] = ceiling(phased, goal)
     if write is not None:
         existing: dict[str, Any] = {}
         if write.exists():
