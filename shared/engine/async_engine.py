@@ -7,6 +7,7 @@ and by the step itself (on the worker thread), never by both at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -30,6 +31,9 @@ class AsyncLLMEngine:
         self._loop_task: asyncio.Task | None = None
         # Refreshed under the lock between steps: reading the engine while a step runs is a data race.
         self._stats = engine.stats()
+        # Requests waiting for the lock (a step in flight holds it) to be admitted -> their prompt tokens to
+        # prefill: stats count them at once, so a router polling mid-step sees what it placed here.
+        self._arriving: dict[object, int] = {}
         # Called, before any stream hears of it, when a step leaves the engine unable to step again (a
         # tensor-parallel rank lost); a serving replica exits, so that it is replaced and its streams move.
         self.on_broken: Callable[[BaseException], None] | None = None
@@ -63,8 +67,11 @@ class AsyncLLMEngine:
         caps batches at one per interval. Closing this aborts the request."""
         queue: asyncio.Queue = asyncio.Queue()
         added = False
+        arrival = object()
+        self._arriving[arrival] = 0 if request.adopt_lease_id is not None else len(request.prompt_token_ids)
         try:
             async with self._lock:
+                del self._arriving[arrival]
                 try:
                     self.engine.add_request(request)  # raises ValueError on bad input, before anything is held
                 except Exception as exc:  # an adopted lease's scatter to the TP ranks may find one lost
@@ -74,6 +81,7 @@ class AsyncLLMEngine:
                 self._queues[request.request_id] = queue
                 self._stats = self.engine.stats()
         finally:
+            self._arriving.pop(arrival, None)
             if not added and request.adopt_lease_id is not None:
                 # cancelled (client gone) or refused before adopting: the leased KV is nobody's, free it now
                 # rather than at the lease's expiry
@@ -158,8 +166,13 @@ class AsyncLLMEngine:
         await self.release_lease(lease_id)
 
     def stats(self) -> EngineStats:
-        """Snapshot as of the last step, admission, abort or lease change."""
-        return self._stats
+        """Snapshot as of the last step, admission, abort or lease change; requests still waiting for a step
+        in flight to end count as waiting, their prompts as queued prefill tokens."""
+        if not self._arriving:
+            return self._stats
+        return dataclasses.replace(
+            self._stats, num_waiting=self._stats.num_waiting + len(self._arriving),
+            queued_prefill_tokens=self._stats.queued_prefill_tokens + sum(self._arriving.values()))
 
     def _wake_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():

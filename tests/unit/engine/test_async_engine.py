@@ -200,3 +200,50 @@ def test_generate_batches_groups_what_the_consumer_missed(tiny_dir: Path) -> Non
     assert [t for b in lagging for d in b for t in d.token_ids] == reference
     assert lagging[-1][-1].finished and not any(d.finished for b in lagging for d in b[:-1] if d is not b[-1])
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+def test_requests_arriving_mid_step_count_as_waiting_before_the_step_ends(tiny_dir: Path) -> None:
+    """A router polls stats while a step runs; a request placed here then waits for the step to end before
+    the engine admits it, and the stats must show it meanwhile (else the router's view forgets it)."""
+    import threading
+
+    async def main() -> None:
+        engine = make_engine(tiny_dir)
+        held = threading.Event()
+        try:
+            started = asyncio.Event()
+
+            async def long_running() -> None:
+                async for _ in engine.generate(request("a0", b"a" * 20, max_tokens=400)):
+                    started.set()
+
+            running = asyncio.create_task(long_running())
+            await asyncio.wait_for(started.wait(), SETTLE_S)
+            # the worker thread waits on `held`: the loop's next step is in flight, with the lock held
+            engine._executor.submit(held.wait, SETTLE_S)
+            await asyncio.sleep(0.05)
+            before = engine.stats()
+            waiting = asyncio.create_task(collect(engine, request("b0", b"b" * 29, max_tokens=3)))
+            gone = asyncio.create_task(collect(engine, request("c0", b"c" * 11, max_tokens=3)))
+            await asyncio.sleep(0.05)
+            mid = engine.stats()
+            assert mid.num_waiting == before.num_waiting + 2
+            assert mid.queued_prefill_tokens == before.queued_prefill_tokens + 29 + 11
+            gone.cancel()  # its client left before admission: it no longer counts
+            await asyncio.gather(gone, return_exceptions=True)
+            after_cancel = engine.stats()
+            assert after_cancel.num_waiting == before.num_waiting + 1
+            assert after_cancel.queued_prefill_tokens == before.queued_prefill_tokens + 29
+            held.set()
+            out = await asyncio.wait_for(waiting, SETTLE_S)
+            assert len(tokens_of(out)) == 3 and out[-1].finished
+            assert await engine.abort("a0")
+            await asyncio.wait_for(running, SETTLE_S)
+            await settle(engine)
+            done = engine.stats()
+            assert (done.num_waiting, done.num_running, done.queued_prefill_tokens) == (0, 0, 0)
+        finally:
+            held.set()
+            await engine.close()
+
+    asyncio.run(main())
