@@ -15,7 +15,8 @@ from typing import Any
 
 CORE_SHARING = ("step", "continuous")  # pdserve.sim.config.CORE_SHARING (not imported: the CLI starts light)
 SERVING_COSTS = ("step", "relay")  # pdserve.loadtest.validate: the serving layer's decode time, per step or per row
-POLL_PHASES = 8  # pdserve.loadtest.validate.POLL_PHASES
+POLL_PHASES = 8  # pdserve.loadtest.validation_model.POLL_PHASES
+MID_STEP_ARRIVALS = ("report", "counted", "unseen")  # pdserve.loadtest.validation_model.MID_STEP_ARRIVALS
 
 
 def length_spec(text: str) -> int | dict[str, Any]:
@@ -133,6 +134,9 @@ def parser() -> argparse.ArgumentParser:
     validate.add_argument("--noise-ceiling", action="store_true",
                           help="also the chance that an exact model meets the ±20%% target against runs like "
                                "these, the poll phase being their only noise (pdserve.loadtest.validation_ceiling)")
+    validate.add_argument("--mid-step-arrivals", choices=MID_STEP_ARRIVALS, default=MID_STEP_ARRIVALS[0],
+                          help="whether the engines' stats showed a request waiting for a step in flight: as the "
+                               "report's code did (default), or a what-if either way")
     validate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     ratio = sub.add_parser("ratio", help="one target's goodput over the others' across a scenario's repeated "
                            "live runs: per run, pooled, and a 90%% interval (pdserve.loadtest.goodput_ratio)")
@@ -266,7 +270,7 @@ def validate_main(args: argparse.Namespace) -> int:
 
     print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write, args.serving_cores,
                               args.replica_threads, args.serving_cost, args.core_sharing,
-                              args.poll_phases, args.contention, args.noise_ceiling)))
+                              args.poll_phases, args.contention, args.noise_ceiling, args.mid_step_arrivals)))
     return 0
 
 

@@ -39,14 +39,21 @@ def _memory_gib() -> float | None:
     return None
 
 
+# what the code that ran does, where a model of the run must know it (pdserve.loadtest.validation_model):
+# engines count a request in their stats while it waits for a step in flight to end (commit 302a9c5)
+STATS_COUNT_ARRIVING = "stats_count_arriving"
+FEATURES = (STATS_COUNT_ARRIVING,)
+
+
 def provenance() -> dict[str, Any]:
-    """The commit (with '+dirty' when the tree has uncommitted changes), the UTC date and the host."""
+    """The commit (with '+dirty' when the tree has uncommitted changes), the UTC date, the host, and the
+    features of the code that ran."""
     commit = _git("rev-parse", "--short", "HEAD")
     if commit and _git("status", "--porcelain", "--untracked-files=no"):
         commit += "+dirty"
     return {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "host": {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gib": _memory_gib(),
-                     "gpu": None}}
+                     "gpu": None}, "features": list(FEATURES)}
 
 
 def header_line(p: dict[str, Any] | None) -> str:

@@ -15,8 +15,9 @@ from pdserve.loadtest.contention import engines_per_host
 from pdserve.loadtest.contention import measure as measure_contention
 from pdserve.loadtest.machine_threads import thread_factors
 from pdserve.loadtest.models import resolve_model
-from pdserve.loadtest.validate import POLL_PHASES, TARGET_ERROR, load_report, load_scenario, validate
+from pdserve.loadtest.validate import TARGET_ERROR, load_report, load_scenario, validate
 from pdserve.loadtest.validation_ceiling import RunPhases, ceiling
+from pdserve.loadtest.validation_model import POLL_PHASES
 from pdserve.sim.calibrate import rel_error
 
 
@@ -79,7 +80,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "profile": runs[0].get("profile"), "seed": runs[0].get("seed"), "num_cores": runs[0].get("num_cores"),
         "serving_cores": runs[0].get("serving_cores"), "serving_cost": runs[0].get("serving_cost"),
         "core_sharing": runs[0].get("core_sharing"), "poll_phases": runs[0].get("poll_phases"),
-        "contention": runs[0].get("contention"),
+        "contention": runs[0].get("contention"), "stats_count_arriving": runs[0].get("stats_count_arriving"),
         "replica_thread_factors": runs[0].get("replica_thread_factors"),
     }
 
@@ -87,7 +88,8 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def validate_main(names: list[str], reports: list[str] | None, profile: str | None, write: Path | None,
                   serving_cores: float = 0.0, replica_threads: int | None = None,
                   serving_cost: str = "step", core_sharing: str = "step", poll_phases: int = POLL_PHASES,
-                  contention: bool = False, noise_ceiling: bool = False) -> dict[str, Any]:
+                  contention: bool = False, noise_ceiling: bool = False,
+                  mid_step_arrivals: str = "report") -> dict[str, Any]:
     """`reports`: one scenario's live reports (several: repeated runs, combined); default
     loadtest/results/<name>/run-*/summary.json, else loadtest/results/<name>/summary.json.
     `replica_threads`: the what-if of pdserve.loadtest.machine_threads, measured here per scenario's model;
@@ -120,7 +122,7 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
         for path in paths:
             observe = RunPhases() if noise_ceiling else None
             runs.append(validate(scenario, path, profile, serving_cores, factors, replica_threads, serving_cost,
-                                 core_sharing, poll_phases, slowdown, observe))
+                                 core_sharing, poll_phases, slowdown, observe, mid_step_arrivals))
             if observe is not None:
                 observe.predicted = {k: v["predicted"] for k, v in runs[-1]["figures"].items()}
                 phased.append(observe)

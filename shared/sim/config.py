@@ -23,6 +23,9 @@ class EngineSpec:
     enable_prefix_caching: bool = True
     recent_steps: int = 8  # steps averaged into the stats' recent step time and tokens
     num_threads: int = 1  # cores a step keeps busy (the live worker: max(1, int(num_cpus)))
+    # False: a request reaching the replica while a step runs is absent from its stats until the step ends,
+    # as in the live engine before commit 302a9c5 (it waited for the step's lock unseen)
+    stats_count_arriving: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "recent_steps",

@@ -71,6 +71,7 @@ class Engine:
         self.step_times: deque[float] = deque(maxlen=spec.recent_steps)
         self.step_tokens: deque[float] = deque(maxlen=spec.recent_steps)
         self.busy_until: float | None = None  # end of the step in flight
+        self.unseen: list[SimSeq] = []  # arrived while a step ran, absent from the stats until it ends
         self.num_preemptions = 0
         self.num_steps = 0
 
@@ -79,12 +80,18 @@ class Engine:
     def add(self, request: SimRequest, max_prefill_chunk: int | None = None) -> SimSeq:
         seq = SimSeq(request, request.prompt_tokens, max_prefill_chunk=max_prefill_chunk)
         self.waiting.append(seq)
+        self._arrived(seq)
         return seq
 
     def add_imported(self, seq: SimSeq) -> None:
         """A handed-off sequence: prompt KV computed elsewhere, first token generated."""
         seq.num_computed, seq.num_blocks, seq.is_decoding = seq.num_tokens - 1, 0, True
         self.importing.append(seq)
+        self._arrived(seq)
+
+    def _arrived(self, seq: SimSeq) -> None:
+        if self.busy_until is not None and not self.spec.stats_count_arriving:
+            self.unseen.append(seq)
 
     @property
     def has_work(self) -> bool:
@@ -221,6 +228,7 @@ class Engine:
     def complete(self, batch: Batch, now: float, seconds: float) -> StepOutcome:
         """Applies a step that ended at `now` and took `seconds`."""
         out = StepOutcome()
+        self.unseen.clear()
         self.num_steps += 1
         self.step_times.append(seconds)
         self.step_tokens.append(float(batch.num_tokens))
@@ -263,8 +271,10 @@ class Engine:
         spec = self.spec
         return ReplicaSnapshot(
             self.replica_id, role, age_s, num_running=len(self.running),
-            num_waiting=len(self.waiting) + len(self.importing),
-            queued_prefill_tokens=self.queued_prefill_tokens(), num_free_blocks=self.num_free_blocks,
+            num_waiting=len(self.waiting) + len(self.importing) - len(self.unseen),
+            queued_prefill_tokens=self.queued_prefill_tokens() - sum(
+                s.num_uncomputed for s in self.unseen if not s.is_decoding),
+            num_free_blocks=self.num_free_blocks,
             num_total_blocks=spec.num_blocks, block_size=spec.block_size,
             max_num_batched_tokens=spec.max_num_batched_tokens,
             recent_step_time_s=sum(self.step_times) / len(self.step_times) if self.step_times else None,

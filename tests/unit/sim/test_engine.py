@@ -97,3 +97,41 @@ def test_disaggregated_prefill_blocks_are_freed_after_the_handoff(profile):
     for replica in sim.replicas:
         assert replica.engine.num_free_blocks == replica.engine.spec.num_blocks
         assert replica.num_held == 0 and replica.num_inbound == 0
+
+
+def _herd(profile, counted: bool) -> list[str | None]:
+    """A 3,000-token prompt steps alone on one of two replicas (0.4 s); a short request takes the other; three
+    more come 0.1 s apart while the long step runs, each after a poll has dropped the previous one's pending
+    placement."""
+    from pdserve.placement.policy import PlacementConfig
+    from pdserve.sim.cluster import Simulation
+    from pdserve.sim.config import ClusterSpec, RouterSpec
+
+    router = RouterSpec(placement=PlacementConfig(policy="least_loaded", stats_poll_period_s=0.1))
+    spec = ClusterSpec(mode="colocated", num_decode=2, router=router,
+                       decode=EngineSpec(max_num_batched_tokens=4096, stats_count_arriving=counted))
+    requests = [SimRequest(0, 0.0, 3000, 20), SimRequest(1, 0.01, 64, 400)]
+    requests += [SimRequest(i, 0.02 + 0.1 * (i - 1), 64, 400) for i in range(2, 5)]
+    return [r.decode_replica for r in Simulation(spec, profile, requests).run()]
+
+
+def test_arrivals_the_stats_do_not_show_pile_onto_the_replica_in_a_long_step(profile):
+    """Unseen (the live engine before commit 302a9c5), the busy replica shows one request however many wait
+    for its step, so it takes the last two of the burst; counted, it shows two and the last goes elsewhere."""
+    unseen, counted = _herd(profile, False), _herd(profile, True)
+    assert unseen == ["decode-000", "decode-001", "decode-001", "decode-000", "decode-000"]
+    assert counted == ["decode-000", "decode-001", "decode-001", "decode-000", "decode-001"]
+
+
+def test_unseen_arrivals_join_the_stats_when_the_step_ends(profile):
+    engine = Engine("r", "colocated", EngineSpec(stats_count_arriving=False), profile.for_role("decode"))
+    engine.add(SimRequest(0, 0.0, 100, 4))
+    batch = engine.schedule()
+    engine.busy_until = 1.0  # the step in flight
+    engine.add(SimRequest(1, 0.5, 30, 4))
+    mid = engine.snapshot("decode", 0.0, False)
+    assert (mid.num_waiting, mid.queued_prefill_tokens) == (0, 100)  # the step's prompt still counts as queued
+    engine.busy_until = None
+    engine.complete(batch, 1.0, 1.0)
+    after = engine.snapshot("decode", 0.0, False)
+    assert (after.num_waiting, after.queued_prefill_tokens) == (1, 30)

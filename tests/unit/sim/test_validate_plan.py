@@ -236,3 +236,17 @@ def test_core_sharing_is_a_choice_of_the_model_not_of_the_measurement(monkeypatc
     with pytest.raises(SystemExit) as exit_:
         loadtest_main(["validate", "prefix-routing-fixed", "--core-sharing", "fair"])
     assert exit_.value.code == 2 and "--core-sharing" in capsys.readouterr().err
+
+
+def test_a_runs_engines_stats_are_modelled_as_its_code_kept_them():
+    """Reports from code whose engines count requests waiting for a step in flight say so in their provenance;
+    older ones do not, and their engines are simulated with such requests unseen."""
+    from pdserve.loadtest.provenance import STATS_COUNT_ARRIVING, provenance
+    from pdserve.loadtest.validation_model import counts_arriving
+
+    assert STATS_COUNT_ARRIVING in provenance()["features"]
+    assert counts_arriving({"provenance": provenance()})
+    assert not counts_arriving({"provenance": {"commit": "5e7d0df"}}) and not counts_arriving({})
+    assert counts_arriving({}, "counted") and not counts_arriving({"provenance": provenance()}, "unseen")
+    with pytest.raises(ValueError, match="mid-step arrivals 'sometimes'"):
+        counts_arriving({}, "sometimes")

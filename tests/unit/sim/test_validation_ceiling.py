@@ -66,3 +66,12 @@ def test_the_ceiling_beside_a_committed_scenarios_validation(monkeypatch, capsys
         assert 0.0 <= r["p_all_within_target"] <= 1.0
         assert r["max_abs_rel_error_p50"] <= r["max_abs_rel_error_p90"]
     assert set(out["figures_below_0.95"]) <= set(result["figures"])
+
+
+def test_a_bisecting_sweeps_goodput_is_left_out():
+    """Its live rates are not the ones the simulator tried, so a drawn goodput has nothing to compare with."""
+    run = run_of([100.0], 100.0)
+    run.fixed_grid = False
+    out = ceiling([run], goal=0.9, draws=100)
+    assert out["left_out"] == ["t/goodput_rps"]
+    assert all(r["p_all_within_target"] == 1.0 for r in out["by_repetitions"].values())

@@ -1,0 +1,165 @@
+"""A committed live report's runs in the simulator (pdserve.sim): the report's configuration, a calibration per
+target, and each point simulated over the phases of the routers' polls. `pdserve-loadtest validate` puts its
+predictions beside the measured figures (pdserve.loadtest.validate)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+from typing import Any
+
+from pdserve.latency_model import LatencyProfile
+from pdserve.loadtest.batch_probe import BatchProbe
+from pdserve.loadtest.evaluate import PROBE_SEED
+from pdserve.loadtest.provenance import STATS_COUNT_ARRIVING
+from pdserve.loadtest.runner import LoadConfig
+from pdserve.loadtest.scenario import Scenario
+from pdserve.loadtest.slo import SLO
+from pdserve.loadtest.sweep import SweepConfig
+from pdserve.loadtest.workloads import Workload, workload
+from pdserve.sim.calibrate import CPUAccount, Calibration, rel_error, serving_costs, serving_step
+from pdserve.sim.cluster import Simulation
+from pdserve.sim.config import ClusterSpec
+from pdserve.sim.results import aggregate, median_aggregate
+from pdserve.sim.scenario import batch_latency, cluster_spec, idle_latency
+from pdserve.sim.workload import requests_for
+
+LATENCIES = (("ttft_p50_ms", "ttft_ms", "p50"), ("ttft_p90_ms", "ttft_ms", "p90"),
+             ("tpot_p50_ms", "tpot_ms", "p50"), ("tpot_p90_ms", "tpot_ms", "p90"))
+# a live run's router polls at an arbitrary phase of its arrivals; a prediction is the median over this
+# many phases, evenly spaced over the poll period (one where placement reads no stats)
+POLL_PHASES = 8
+STATS_FREE = frozenset({"round_robin"})
+FIT_SCALES = tuple(round(1.0 + 0.2 * k, 2) for k in range(11))  # 1.0 .. 3.0
+MID_STEP_ARRIVALS = ("report", "counted", "unseen")
+
+
+def counts_arriving(report: dict[str, Any], mid_step_arrivals: str = "report") -> bool:
+    """Whether the run's engines counted a request in their stats while it waited for a step in flight
+    ("report": as the report's code did: only runs that name the feature in their provenance)."""
+    if mid_step_arrivals not in MID_STEP_ARRIVALS:
+        raise ValueError(f"mid-step arrivals {mid_step_arrivals!r}: one of {', '.join(MID_STEP_ARRIVALS)}")
+    if mid_step_arrivals != "report":
+        return mid_step_arrivals == "counted"
+    return STATS_COUNT_ARRIVING in ((report.get("provenance") or {}).get("features") or ())
+
+
+class Model:
+    """One scenario's simulated runs: the report's configuration, a calibration per target."""
+
+    def __init__(self, scenario: Scenario, report: dict[str, Any], profile: LatencyProfile,
+                 serving_cores: float = 0.0, serving_cost: str = "step", core_sharing: str = "step",
+                 poll_phases: int = POLL_PHASES, oversubscribed: tuple[float, float] = (1.0, 1.0),
+                 mid_step_arrivals: str = "report") -> None:
+        if serving_cost not in ("step", "relay"):
+            raise ValueError(f"serving cost {serving_cost!r}: 'step' (the batch probe) or 'relay' (the idle probe)")
+        if poll_phases < 1:
+            raise ValueError(f"--poll-phases {poll_phases}: at least 1")
+        self.poll_phases, self.oversubscribed = poll_phases, oversubscribed
+        self.count_arriving = counts_arriving(report, mid_step_arrivals)
+        self.profile, self.report, self.serving_cost = profile, report, serving_cost
+        self.core_sharing = core_sharing  # ClusterSpec.core_sharing: "step" or "continuous"
+        self.work: Workload = workload(report["workload"])
+        ld = report["load"]
+        self.load = LoadConfig(int(ld["num_requests"]), float(ld["max_duration_s"]), ld["arrival"],
+                               float(ld.get("burstiness", 1.0)), scenario.seed)
+        sw = report["sweep"]
+        self.sweep = SweepConfig(tuple(sw["rates"]), int(sw["max_runs"]), float(sw["rel_tol"]),
+                                 float(sw.get("target", 0.9)))
+        self.slo = SLO(report["slo"]["ttft_ms"] / 1e3, report["slo"]["tpot_ms"] / 1e3)
+        self.host_cores = ((report.get("provenance") or {}).get("host") or {}).get("cores")
+        if serving_cores and not (self.host_cores and 0 <= serving_cores < self.host_cores):
+            raise ValueError(f"--serving-cores {serving_cores:g}: needs a report with its host's cores, and "
+                             f"0 <= cores < {self.host_cores}")
+        self.num_cores = self.host_cores - serving_cores if self.host_cores else None
+
+    def spec(self, target: dict[str, Any]) -> ClusterSpec:
+        """The target's system on the report's host (every replica shares its cores), its engines' stats as
+        the run's code kept them."""
+        spec = cluster_spec(target["system"], self.profile)
+        engines = {role: dataclasses.replace(getattr(spec, role), stats_count_arriving=self.count_arriving)
+                   for role in ("prefill", "decode")}
+        return dataclasses.replace(spec, **engines, num_cores=self.num_cores, core_sharing=self.core_sharing,
+                                   oversubscribed_scale=self.oversubscribed)
+
+    def point(self, spec: ClusterSpec, cal: Calibration, rate: float) -> dict[str, Any]:
+        return self.simulate(spec, cal, rate)[0]
+
+    def simulate(self, spec: ClusterSpec, cal: Calibration, rate: float) -> tuple[dict[str, Any], dict[str, float]]:
+        """(the point's aggregates, CPU seconds of each role's engine steps), each the median over
+        `poll_phases` phases of the routers' polls against the arrivals where placement reads the polls."""
+        runs = self.phase_points(spec, cal, rate, self.poll_phases)
+        return (median_aggregate([point for point, _ in runs]),
+                {role: statistics.median(cpu[role] for _, cpu in runs) for role in runs[0][1]})
+
+    def phase_points(self, spec: ClusterSpec, cal: Calibration, rate: float, phases: int
+                     ) -> list[tuple[dict[str, Any], dict[str, float]]]:
+        """(aggregates, CPU seconds of each role's steps) at `phases` phases of the routers' polls, evenly
+        spaced over the poll period; one where placement reads no stats."""
+        requests = requests_for(self.work, self.load, rate, spec.decode.block_size)
+        phases = 1 if spec.router.placement.policy in STATS_FREE else phases
+        runs = []
+        for i in range(phases):
+            phased = dataclasses.replace(spec, router=dataclasses.replace(spec.router, poll_phase=i / phases))
+            sim = Simulation(cal.spec(phased), cal.profile(self.profile), requests,
+                             placement_profile=self.profile)
+            runs.append((aggregate(cal.records(sim.run()), self.slo, rate, self.load.max_duration_s),
+                         sim.cpu_seconds()))
+        return runs
+
+    def calibrate(self, spec: ClusterSpec, target: dict[str, Any], scales: tuple[float, float, float],
+                  source: str, cached_scale: float | None = None) -> Calibration:
+        cal = Calibration(*scales, source=source, prefill_cached_scale=cached_scale)
+        low = min(target["points"], key=lambda p: p["rate"])
+        account = CPUAccount.of(low, target.get("quiet_cpu_s"))
+        batch = target.get("batch_probe") if self.serving_cost == "step" else None
+        batch = BatchProbe.from_dict(batch) if batch else None
+        tokens = self.tokens(spec, low["rate"])
+        probe = requests_for(self.work, LoadConfig(64, 1.0, "poisson", 1.0, PROBE_SEED), 1.0, spec.decode.block_size)
+        live = target["idle"]
+        for _ in range(3 if account else 1):  # each term moves the others' simulations: a fixed point
+            if batch:  # the serving cost on every step: k requests decoding together, beyond the model's CPU
+                b, host = batch.spec, cal.spec(spec)
+
+                def probe_tpot(step_s: float, cal: Calibration = cal) -> float:
+                    served = dataclasses.replace(cal, serving_step_s=step_s).profile(self.profile)
+                    return batch_latency(host, served, b.k, b.prompt_len, b.output_len)
+
+                cal = dataclasses.replace(cal, serving_step_s=serving_step(batch.tpot_s, probe_tpot))
+            sim = idle_latency(spec, dataclasses.replace(cal, relay_token_s=0.0).profile(self.profile), probe)
+            ttft, relay = serving_costs(live["ttft_ms"] / 1e3, live["tpot_ms"] / 1e3, sim.ttft_s, sim.tpot_s)
+            cal = dataclasses.replace(cal, serving_ttft_s=ttft, relay_token_s=0.0 if batch else relay)
+            if account is not None:
+                _, modelled = self.simulate(spec, cal, low["rate"])
+                steps = sum(modelled.values()) - tokens * cal.off_step_cpu_token_s
+                off_step, serving, background = account.costs(steps, tokens)
+                cal = dataclasses.replace(cal, off_step_cpu_token_s=off_step, serving_cpu_token_s=serving,
+                                          background_cores=background)
+        return cal
+
+    def tokens(self, spec: ClusterSpec, rate: float) -> int:
+        return sum(r.output_tokens for r in requests_for(self.work, self.load, rate, spec.decode.block_size))
+
+    def fit_scales(self, target: dict[str, Any]) -> tuple[tuple[float, float, float], float]:
+        """((prefill, decode, decode) scales, error): on a grid, the pair whose calibration best fits the
+        target's lowest-rate point (its largest relative error over TTFT and TPOT p50/p90)."""
+        spec, low = self.spec(target), min(target["points"], key=lambda p: p["rate"])
+        best: tuple[tuple[float, float, float], float] = ((1.0, 1.0, 1.0), float("inf"))
+        for p, d in itertools.product(FIT_SCALES, FIT_SCALES):
+            cal = self.calibrate(spec, target, (p, d, d), "fit")
+            figures = compare(self.point(spec, cal, low["rate"]), low["summary"])
+            error = max(rel_error(f["predicted"], f["measured"]) for f in figures.values())
+            if error < best[1]:
+                best = ((p, d, d), error)
+        return best
+
+
+def compare(predicted: dict[str, Any], summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    out = {}
+    for name, key, pct in LATENCIES:
+        measured = (summary.get(key) or {}).get(pct)
+        value = predicted.get(name.replace("_ms", "_s"))
+        if measured is not None and value is not None:
+            out[name] = {"predicted": value * 1e3, "measured": float(measured)}
+    return out
