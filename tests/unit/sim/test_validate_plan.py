@@ -250,3 +250,13 @@ def test_a_runs_engines_stats_are_modelled_as_its_code_kept_them():
     assert counts_arriving({}, "counted") and not counts_arriving({"provenance": provenance()}, "unseen")
     with pytest.raises(ValueError, match="mid-step arrivals 'sometimes'"):
         counts_arriving({}, "sometimes")
+
+
+def test_the_clis_copies_of_the_validations_choices_match_their_modules():
+    """The CLI names them without importing the simulator (it starts light); the copies must not drift."""
+    from pdserve.loadtest import cli, validation_model
+    from pdserve.sim import config
+
+    assert cli.POLL_PHASES == validation_model.POLL_PHASES
+    assert cli.MID_STEP_ARRIVALS == validation_model.MID_STEP_ARRIVALS
+    assert cli.CORE_SHARING == config.CORE_SHARING
