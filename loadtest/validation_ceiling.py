@@ -51,12 +51,14 @@ class RunPhases:
     predicted: dict[str, float] = field(default_factory=dict)  # figure -> the validation's prediction
     # the sweep measures its grid's rates only: the live rates are the simulated ones, so goodput compares
     fixed_grid: bool = True
+    goal: float = 0.9  # the sweep's attainment target
 
     def __call__(self, model: Model, target: dict[str, Any], spec: ClusterSpec, cal: Calibration) -> None:
         """validate()'s `observe`: simulate the target's points at every phase, with its calibration."""
         rates = sorted(p["rate"] for p in target["points"])
         self.rates[target["name"]] = rates
         self.fixed_grid = model.sweep.max_runs <= len(model.sweep.rates)
+        self.goal = model.sweep.target
         for rate in rates:
             runs = model.phase_points(spec, cal, rate, self.phases)
             self.points[f"{target['name']}/{rate:.3g}"] = [point_figures(agg) for agg, _ in runs]

@@ -128,8 +128,7 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
                 phased.append(observe)
         out[scenario.name] = combine(runs)
         if phased:
-            goal = float(load_report(paths[0])["sweep"].get("target", 0.9))
-            out[scenario.name]["noise_ceiling"] = ceiling(phased, goal)
+            out[scenario.name]["noise_ceiling"] = ceiling(phased, phased[0].goal)
     if write is not None:
         existing: dict[str, Any] = {}
         if write.exists():
