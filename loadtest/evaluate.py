@@ -16,6 +16,7 @@ from pdserve.loadtest.batch_probe import BatchProbe
 from pdserve.loadtest.distributions import Fixed
 from pdserve.loadtest.metrics import request_metrics
 from pdserve.loadtest.runner import LoadConfig, Run, run_load, run_point
+from pdserve.loadtest.serving_probe import ServingProbe
 from pdserve.loadtest.slo import SLO, IdleLatency, attainment, request_goodput
 from pdserve.loadtest.sweep import SweepConfig, SweepResult, find_goodput
 from pdserve.loadtest.workloads import Synthetic, TokenSource, Workload
@@ -41,6 +42,7 @@ class TargetResult:
     # the machine checks measured just before this target was deployed (pdserve.loadtest.machine)
     machine: list[dict[str, Any]] = field(default_factory=list)
     batch_probe: BatchProbe | None = None  # k requests decoding together, before the sweep
+    serving_probe: ServingProbe | None = None  # short prompts one at a time: the serving path's TTFT
 
     def attainment_at(self, rate: float) -> float:
         return self.sweep.points[rate]

@@ -71,6 +71,7 @@ def summary_dict(targets: list[TargetResult], slo: SLO, cdf_rate: float, target_
         out_targets.append({
             "name": t.name, "system": t.system, "idle": t.idle.to_dict() if t.idle else None,
             "batch_probe": t.batch_probe.to_dict() if t.batch_probe else None,
+            "serving_probe": t.serving_probe.to_dict() if t.serving_probe else None,
             "goodput": t.sweep.goodput, "goodput_capped": t.sweep.capped, "bracket": list(t.sweep.bracket),
             "goodput_vs_baseline": ratio(t.sweep.goodput, baseline.sweep.goodput),
             "prefix_hit_rate": overall_prefix_hit_rate(t),

@@ -17,6 +17,7 @@ from pdserve.loadtest.client import new_client, served_model
 from pdserve.loadtest.evaluate import TargetResult, measure_idle, measure_quiet_cpu, sweep_target
 from pdserve.loadtest.provenance import provenance
 from pdserve.loadtest.runner import LoadConfig
+from pdserve.loadtest.serving_probe import ServingProbeSpec, measure_serving
 from pdserve.loadtest.slo import SLOSpec
 from pdserve.loadtest.sweep import SweepConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -67,6 +68,7 @@ class Scenario(BaseModel):
     slo: dict[str, float] = Field(default_factory=lambda: {"ttft_factor": 5.0, "tpot_factor": 2.0})
     idle_requests: int = Field(3, ge=1)
     batch_probe_requests: int = Field(8, ge=0)  # the batch probe's k (pdserve.loadtest.batch_probe); 0: none
+    serving_probe_requests: int = Field(5, ge=0)  # short-prompt TTFT probe (pdserve.loadtest.serving_probe); 0: none
     # the latency profile this scenario's absolute SLOs were set against: the runner measures this machine
     # first and reports how much slower or faster it is (pdserve.loadtest.machine); so is every profile a
     # target's router reads
@@ -157,6 +159,12 @@ def run_scenario(
                 if scenario.batch_probe_requests:
                     batch = measure_batch(url, name, tokens, BatchProbeSpec(k=scenario.batch_probe_requests))
                     log(f"[{target.name}] batch probe: {batch.spec.k} together, TPOT {batch.tpot_s * 1e3:.2f} ms")
+                serving = None
+                if scenario.serving_probe_requests:
+                    serving = measure_serving(url, name, tokens,
+                                              ServingProbeSpec(requests=scenario.serving_probe_requests))
+                    log(f"[{target.name}] serving probe: {serving.spec.prompt_len}-token prompts, "
+                        f"TTFT {serving.ttft_s * 1e3:.1f} ms")
                 if slo is None:
                     slo = slo_spec.resolve(idle)
                     log(f"SLO (from {target.name}): TTFT <= {slo.ttft_s * 1e3:.0f} ms, "
@@ -165,7 +173,7 @@ def run_scenario(
                 result = sweep_target(target.name, url, name, tokens, work, load, sweep, slo, out_dir,
                                       idle=idle, progress=progress, log=log, app=app)
                 result.system, result.machine, result.quiet_cpu = system, checks, quiet
-                result.batch_probe = batch
+                result.batch_probe, result.serving_probe = batch, serving
                 results.append(result)
                 log(f"[{target.name}] goodput {result.sweep.goodput:.3g} req/s"
                     + (" (every rate passed: at least)" if result.sweep.capped else ""))

@@ -36,6 +36,9 @@ def test_smoke_scenario_end_to_end(ray_serve, tmp_path):
         batch = target["batch_probe"]  # k requests decoding together, each round measured
         assert batch["k"] == scenario.batch_probe_requests and batch["tpot_ms"] > 0
         assert len(batch["round_tpot_ms"]) == batch["rounds"] and all(t > 0 for t in batch["round_tpot_ms"])
+        serving = target["serving_probe"]  # short prompts one at a time, each measured
+        assert serving["requests"] == scenario.serving_probe_requests == len(serving["each_ttft_ms"])
+        assert all(t > 0 for t in serving["each_ttft_ms"]) and serving["ttft_ms"] > 0
         assert scenario.sweep.rates[0] in [p["rate"] for p in target["points"]]
         assert len(target["points"]) <= scenario.sweep.max_runs
         for point in target["points"]:
