@@ -163,8 +163,10 @@ def run_scenario(
                 if scenario.serving_probe_requests:
                     serving = measure_serving(url, name, tokens,
                                               ServingProbeSpec(requests=scenario.serving_probe_requests))
-                    log(f"[{target.name}] serving probe: {serving.spec.prompt_len}-token prompts, "
-                        f"TTFT {serving.ttft_s * 1e3:.1f} ms")
+                    cached = serving.cached
+                    log(f"[{target.name}] serving probe: {serving.spec.prompt_len}-token prompts, TTFT "
+                        f"{serving.ttft_s * 1e3:.1f} ms; {serving.spec.cached_len}-token prompt cached: "
+                        + (f"TTFT {cached[0] * 1e3:.1f} ms ({cached[1]} tokens hit)" if cached else "no hit"))
                 if slo is None:
                     slo = slo_spec.resolve(idle)
                     log(f"SLO (from {target.name}): TTFT <= {slo.ttft_s * 1e3:.0f} ms, "

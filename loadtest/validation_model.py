@@ -18,9 +18,10 @@ from pdserve.loadtest.scenario import Scenario
 from pdserve.loadtest.slo import SLO
 from pdserve.loadtest.sweep import SweepConfig
 from pdserve.loadtest.workloads import Workload, workload
-from pdserve.sim.calibrate import CPUAccount, Calibration, rel_error, serving_costs, serving_step
+from pdserve.loadtest.serving_probe import ServingProbe
+from pdserve.sim.calibrate import CPUAccount, Calibration, prefill_drift, rel_error, serving_costs, serving_step
 from pdserve.sim.cluster import Simulation
-from pdserve.sim.config import ClusterSpec
+from pdserve.sim.config import ClusterSpec, SimRequest
 from pdserve.sim.results import aggregate, median_aggregate
 from pdserve.sim.scenario import batch_latency, cluster_spec, idle_latency
 from pdserve.sim.workload import requests_for
@@ -118,7 +119,8 @@ class Model:
         tokens = self.tokens(spec, low["rate"])
         probe = requests_for(self.work, LoadConfig(64, 1.0, "poisson", 1.0, PROBE_SEED), 1.0, spec.decode.block_size)
         live = target["idle"]
-        for _ in range(3 if account else 1):  # each term moves the others' simulations: a fixed point
+        serving = ServingProbe.from_dict(target["serving_probe"]) if target.get("serving_probe") else None
+        for _ in range(3 if account or serving else 1):  # each term moves the others' simulations: a fixed point
             if batch:  # the serving cost on every step: k requests decoding together, beyond the model's CPU
                 b, host = batch.spec, cal.spec(spec)
 
@@ -127,8 +129,11 @@ class Model:
                     return batch_latency(host, served, b.k, b.prompt_len, b.output_len)
 
                 cal = dataclasses.replace(cal, serving_step_s=serving_step(batch.tpot_s, probe_tpot))
+            if serving:  # the serving path's TTFT measured on its own; the idle probe then re-times the prefill
+                cal = self.from_serving_probe(spec, cal, serving, live["ttft_ms"] / 1e3, probe)
             sim = idle_latency(spec, dataclasses.replace(cal, relay_token_s=0.0).profile(self.profile), probe)
             ttft, relay = serving_costs(live["ttft_ms"] / 1e3, live["tpot_ms"] / 1e3, sim.ttft_s, sim.tpot_s)
+            ttft = cal.serving_ttft_s if serving else ttft
             cal = dataclasses.replace(cal, serving_ttft_s=ttft, relay_token_s=0.0 if batch else relay)
             if account is not None:
                 _, modelled = self.simulate(spec, cal, low["rate"])
@@ -137,6 +142,16 @@ class Model:
                 cal = dataclasses.replace(cal, off_step_cpu_token_s=off_step, serving_cpu_token_s=serving,
                                           background_cores=background)
         return cal
+
+    def from_serving_probe(self, spec: ClusterSpec, cal: Calibration, serving: ServingProbe, live_idle_ttft_s: float,
+                           probe: list[SimRequest]) -> Calibration:
+        """`serving_ttft_s`: the probe's TTFT less the simulator's for its short request; then the prefill scales
+        moved so that the simulator's idle request plus that meets the idle probe's TTFT."""
+        bare = dataclasses.replace(cal, relay_token_s=0.0, serving_ttft_s=0.0).profile(self.profile)
+        short = SimRequest(0, 0.0, serving.spec.prompt_len, max(2, serving.spec.output_len))
+        ttft = max(0.0, serving.ttft_s - idle_latency(spec, bare, [short]).ttft_s)
+        factor = prefill_drift(live_idle_ttft_s, ttft, idle_latency(spec, bare, probe).ttft_s)
+        return dataclasses.replace(cal.with_prefill_drift(factor), serving_ttft_s=ttft)
 
     def tokens(self, spec: ClusterSpec, rate: float) -> int:
         return sum(r.output_tokens for r in requests_for(self.work, self.load, rate, spec.decode.block_size))

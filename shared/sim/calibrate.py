@@ -13,6 +13,11 @@ A profile times one engine alone on the machine it was measured on. A live load-
   router add to each decode step, from the target's batch probe (pdserve.loadtest.batch_probe: k requests
   decoding together, against the simulator's same k, solved so that the simulator returns the probe's TPOT). Measured on this repository's VMs it hardly grows with
   the batch (about 1.1 ms a step at k = 2, 4 and 8), so it is added to the step's fixed term `a`.
+- **Serving probe** (reports that have one, pdserve.loadtest.serving_probe): short prompts one at a time, whose
+  TTFT is the serving path's; `serving_ttft_s` is then that TTFT less the simulator's for the same request,
+  and the idle probe, less it, re-times the prefill: `prefill_scale` (and the cached term's scale with it)
+  is moved by `prefill_drift`, since a machine check a few percent off would otherwise be read as serving
+  cost (or hide it, where the scaled prefill outgrows the idle TTFT).
 - **Relay per token** (`relay_token_s`): for reports without a batch probe, the idle probe's TPOT gap, added
   to the decode step's per-row term `b` (at batch 1 it adds exactly itself to TPOT). One request alone
   streams more slowly than requests sharing steps, so under load this over-prices every row.
@@ -92,6 +97,11 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def with_prefill_drift(self, factor: float) -> Calibration:
+        """Every prefill coefficient (the cached term's too) `factor` times slower."""
+        cached = None if self.prefill_cached_scale is None else self.prefill_cached_scale * factor
+        return dataclasses.replace(self, prefill_scale=self.prefill_scale * factor, prefill_cached_scale=cached)
 
 
 def scales_from_machine(check: Mapping[str, Any], profile: LatencyProfile) -> tuple[float, float, float]:
@@ -173,6 +183,14 @@ def serving_costs(live_ttft_s: float, live_tpot_s: float, sim_ttft_s: float, sim
     """(serving_ttft_s, relay_token_s): what the idle probe measured beyond the scaled simulator's idle
     request; never negative (a live figure below the simulated one leaves that cost at 0)."""
     return max(0.0, live_ttft_s - sim_ttft_s), max(0.0, live_tpot_s - sim_tpot_s)
+
+
+def prefill_drift(live_idle_ttft_s: float, serving_ttft_s: float, sim_idle_ttft_s: float) -> float:
+    """How much slower the live prefill ran than the scaled simulator's, from the idle probe: its TTFT less the
+    serving path's (the serving probe), over the simulator's idle TTFT (all prefill on a CPU profile, whose
+    handoffs are free). 1.0 where there is nothing to divide."""
+    prefill = live_idle_ttft_s - serving_ttft_s
+    return prefill / sim_idle_ttft_s if prefill > 0 and sim_idle_ttft_s > 0 else 1.0
 
 
 def serving_step(live_tpot_s: float, tpot_at: Callable[[float], float], tol_s: float = 1e-5) -> float:
