@@ -23,7 +23,7 @@ from pdserve.sim.calibrate import CPUAccount, Calibration, prefill_drift, rel_er
 from pdserve.sim.cluster import Simulation
 from pdserve.sim.config import ClusterSpec, SimRequest
 from pdserve.sim.results import aggregate, median_aggregate
-from pdserve.sim.scenario import batch_latency, cluster_spec, idle_latency
+from pdserve.sim.scenario import batch_latency, cached_ttft, cluster_spec, idle_latency
 from pdserve.sim.workload import requests_for
 
 LATENCIES = (("ttft_p50_ms", "ttft_ms", "p50"), ("ttft_p90_ms", "ttft_ms", "p90"),
@@ -119,8 +119,8 @@ class Model:
         tokens = self.tokens(spec, low["rate"])
         probe = requests_for(self.work, LoadConfig(64, 1.0, "poisson", 1.0, PROBE_SEED), 1.0, spec.decode.block_size)
         live = target["idle"]
-        serving = ServingProbe.from_dict(target["serving_probe"]) if target.get("serving_probe") else None
-        for _ in range(3 if account or serving else 1):  # each term moves the others' simulations: a fixed point
+        probed = ServingProbe.from_dict(target["serving_probe"]) if target.get("serving_probe") else None
+        for _ in range(3 if account or probed else 1):  # each term moves the others' simulations: a fixed point
             if batch:  # the serving cost on every step: k requests decoding together, beyond the model's CPU
                 b, host = batch.spec, cal.spec(spec)
 
@@ -129,11 +129,11 @@ class Model:
                     return batch_latency(host, served, b.k, b.prompt_len, b.output_len)
 
                 cal = dataclasses.replace(cal, serving_step_s=serving_step(batch.tpot_s, probe_tpot))
-            if serving:  # the serving path's TTFT measured on its own; the idle probe then re-times the prefill
-                cal = self.from_serving_probe(spec, cal, serving, live["ttft_ms"] / 1e3, probe)
+            if probed:  # the serving path's TTFT measured on its own; the idle probe then re-times the prefill
+                cal = self.from_serving_probe(spec, cal, probed, live["ttft_ms"] / 1e3, probe)
             sim = idle_latency(spec, dataclasses.replace(cal, relay_token_s=0.0).profile(self.profile), probe)
             ttft, relay = serving_costs(live["ttft_ms"] / 1e3, live["tpot_ms"] / 1e3, sim.ttft_s, sim.tpot_s)
-            ttft = cal.serving_ttft_s if serving else ttft
+            ttft = cal.serving_ttft_s if probed else ttft
             cal = dataclasses.replace(cal, serving_ttft_s=ttft, relay_token_s=0.0 if batch else relay)
             if account is not None:
                 _, modelled = self.simulate(spec, cal, low["rate"])
@@ -145,13 +145,20 @@ class Model:
 
     def from_serving_probe(self, spec: ClusterSpec, cal: Calibration, serving: ServingProbe, live_idle_ttft_s: float,
                            probe: list[SimRequest]) -> Calibration:
-        """`serving_ttft_s`: the probe's TTFT less the simulator's for its short request; then the prefill scales
-        moved so that the simulator's idle request plus that meets the idle probe's TTFT."""
-        bare = dataclasses.replace(cal, relay_token_s=0.0, serving_ttft_s=0.0).profile(self.profile)
+        """`serving_ttft_s`: the probe's short TTFT less the simulator's for that request; `serving_ttft_token_s`:
+        its cached sends' TTFT beyond that and the simulator's, per prompt token; then the prefill scales moved
+        so that the simulator's idle request plus both meets the idle probe's TTFT."""
+        bare = dataclasses.replace(cal, relay_token_s=0.0).profile(self.profile)
         short = SimRequest(0, 0.0, serving.spec.prompt_len, max(2, serving.spec.output_len))
-        ttft = max(0.0, serving.ttft_s - idle_latency(spec, bare, [short]).ttft_s)
-        factor = prefill_drift(live_idle_ttft_s, ttft, idle_latency(spec, bare, probe).ttft_s)
-        return dataclasses.replace(cal.with_prefill_drift(factor), serving_ttft_s=ttft)
+        fixed = max(0.0, serving.ttft_s - idle_latency(spec, bare, [short]).ttft_s)
+        per_token = 0.0
+        if cached := serving.cached:
+            n = serving.spec.cached_len
+            per_token = max(0.0, cached[0] - fixed - cached_ttft(spec, bare, n, cached[1])) / n
+        idle = idle_latency(spec, bare, probe)
+        prompt = round(sum(r.prompt_tokens for r in probe) / len(probe))
+        factor = prefill_drift(live_idle_ttft_s, fixed + per_token * prompt, idle.ttft_s)
+        return dataclasses.replace(cal.with_prefill_drift(factor), serving_ttft_s=fixed, serving_ttft_token_s=per_token)
 
     def tokens(self, spec: ClusterSpec, rate: float) -> int:
         return sum(r.output_tokens for r in requests_for(self.work, self.load, rate, spec.decode.block_size))

@@ -14,10 +14,13 @@ A profile times one engine alone on the machine it was measured on. A live load-
   decoding together, against the simulator's same k, solved so that the simulator returns the probe's TPOT). Measured on this repository's VMs it hardly grows with
   the batch (about 1.1 ms a step at k = 2, 4 and 8), so it is added to the step's fixed term `a`.
 - **Serving probe** (reports that have one, pdserve.loadtest.serving_probe): short prompts one at a time, whose
-  TTFT is the serving path's; `serving_ttft_s` is then that TTFT less the simulator's for the same request,
-  and the idle probe, less it, re-times the prefill: `prefill_scale` (and the cached term's scale with it)
-  is moved by `prefill_drift`, since a machine check a few percent off would otherwise be read as serving
-  cost (or hide it, where the scaled prefill outgrows the idle TTFT).
+  TTFT is the serving path's fixed part, `serving_ttft_s` (less the simulator's TTFT for the same request);
+  then a long prompt found in the prefix cache, whose TTFT beyond that and the simulator's short prefill is
+  the path's cost per prompt token, `serving_ttft_token_s`. The idle probe, less both, re-times the prefill
+  on the live replica: `prefill_scale` (and the cached term's scale with it) moves by `prefill_drift`. Without
+  the probe, serving cost is what the idle probe measured beyond the machine check's scaled prefill, and a
+  check a few percent off (the replica's prefill against the check's process, or minutes of VM drift) is
+  then read as serving cost, or hides it.
 - **Relay per token** (`relay_token_s`): for reports without a batch probe, the idle probe's TPOT gap, added
   to the decode step's per-row term `b` (at batch 1 it adds exactly itself to TPOT). One request alone
   streams more slowly than requests sharing steps, so under load this over-prices every row.
@@ -52,6 +55,7 @@ class Calibration:
     decode_fixed_scale: float = 1.0
     decode_row_scale: float = 1.0
     serving_ttft_s: float = 0.0
+    serving_ttft_token_s: float = 0.0  # the serving path's TTFT per prompt token (a serving probe's cached sends)
     relay_token_s: float = 0.0
     serving_step_s: float = 0.0  # the serving layer's time per decode step, whatever its batch (a batch probe)
     off_step_cpu_token_s: float = 0.0  # a replica's CPU per token outside its steps (pdserve.sim.host)
@@ -66,7 +70,7 @@ class Calibration:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.prefill_cached_scale is not None and not self.prefill_cached_scale > 0:
             raise ValueError(f"prefill_cached_scale must be > 0, got {self.prefill_cached_scale}")
-        for name in ("serving_ttft_s", "relay_token_s", "serving_step_s", "off_step_cpu_token_s", "serving_cpu_token_s",
+        for name in ("serving_ttft_s", "serving_ttft_token_s", "relay_token_s", "serving_step_s", "off_step_cpu_token_s", "serving_cpu_token_s",
                      "background_cores"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -91,9 +95,11 @@ class Calibration:
 
     def records(self, records: Sequence[RequestRecord]) -> list[RequestRecord]:
         """Records as the client saw them: the serving layer's delay before the first token."""
-        d = self.serving_ttft_s
-        return [dataclasses.replace(r, first_token_s=None if r.first_token_s is None else r.first_token_s + d,
-                                    finish_s=None if r.finish_s is None else r.finish_s + d) for r in records]
+        def delay(r: RequestRecord) -> float:
+            return self.serving_ttft_s + self.serving_ttft_token_s * r.request.prompt_tokens
+
+        return [dataclasses.replace(r, first_token_s=None if r.first_token_s is None else r.first_token_s + delay(r),
+                                    finish_s=None if r.finish_s is None else r.finish_s + delay(r)) for r in records]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

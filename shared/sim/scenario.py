@@ -4,6 +4,7 @@ goodput found by the load tests' own sweep (pdserve.loadtest.sweep.find_goodput)
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,20 @@ def idle_latency(spec: ClusterSpec, profile: LatencyProfile, requests: list[SimR
     output = max(2, round(sum(r.output_tokens for r in requests) / len(requests)))
     (record,) = Simulation(spec, profile, [SimRequest(0, 0.0, prompt, output)]).run()
     return IdleLatency(record.ttft_s, record.tpot_s)  # type: ignore[arg-type]
+
+
+def cached_ttft(spec: ClusterSpec, profile: LatencyProfile, prompt_tokens: int, cached_tokens: int,
+                output_tokens: int = 2) -> float:
+    """TTFT of a prompt sent again to the replica that served it, `cached_tokens` of it found in the prefix
+    cache (what pdserve.loadtest.serving_probe's cached sends measure live)."""
+    one = dataclasses.replace(spec, num_prefill=1, num_decode=1)
+    block = spec.prefill.block_size if spec.mode == "disaggregated" else spec.decode.block_size
+    full, hit = prompt_tokens // block, min(cached_tokens, prompt_tokens - 1) // block
+    first = SimRequest(0, 0.0, prompt_tokens, max(2, output_tokens), tuple(range(1, full + 1)))
+    again = SimRequest(1, 1e3, prompt_tokens, max(2, output_tokens),
+                       tuple(range(1, hit + 1)) + tuple(-h for h in range(hit + 1, full + 1)))
+    _, record = Simulation(one, profile, [first, again]).run()
+    return record.ttft_s  # type: ignore[return-value]
 
 
 def batch_latency(spec: ClusterSpec, profile: LatencyProfile, k: int, prompt_tokens: int, output_tokens: int) -> float:

@@ -9,12 +9,13 @@ from pdserve.sim.calibrate import (
     Calibration,
     CPUAccount,
     off_step_cpu,
+    prefill_drift,
     rel_error,
     scales_from_machine,
     serving_costs,
     serving_step,
 )
-from pdserve.sim.scenario import batch_latency
+from pdserve.sim.scenario import batch_latency, cached_ttft
 from pdserve.sim.cluster import Simulation
 from pdserve.sim.config import ClusterSpec, EngineSpec, SimRequest
 from pdserve.sim.host import OffStepLoad, SharedCores
@@ -259,3 +260,39 @@ def test_a_batch_probes_requests_decode_together(profile):
     alone, eight = (batch_latency(spec, profile, k, 64, 128) for k in (1, 8))
     assert eight > alone >= d.decode_step_s(1, 64)
     assert eight >= d.decode_step_s(8, 8 * 64)
+
+
+def test_prefill_drift_is_the_idle_probes_prefill_over_the_simulators():
+    # 389 ms live, of which 9 ms serving path: the live prefill took 380 ms against the simulator's 362
+    assert prefill_drift(0.389, 0.009, 0.362) == pytest.approx(0.380 / 0.362)
+    assert prefill_drift(0.010, 0.012, 0.362) == 1.0  # the serving path above the whole TTFT: nothing to divide
+    assert prefill_drift(0.3, 0.0, 0.0) == 1.0
+
+
+def test_a_prefill_drift_moves_every_prefill_coefficient_and_no_decode_one(profile):
+    cal = Calibration(1.2, 0.6, 0.4, prefill_cached_scale=4.0).with_prefill_drift(1.1)
+    assert (cal.prefill_scale, cal.prefill_cached_scale) == (pytest.approx(1.32), pytest.approx(4.4))
+    assert (cal.decode_fixed_scale, cal.decode_row_scale) == (0.6, 0.4)
+    assert Calibration(1.0, 1.0, 1.0).with_prefill_drift(0.9).prefill_cached_scale is None  # the uniform scale
+
+
+def test_the_serving_path_delays_each_request_by_its_fixed_part_and_its_prompt(profile):
+    cal = Calibration(serving_ttft_s=0.008, serving_ttft_token_s=5e-6)
+    short, long = (SimRequest(i, 0.0, n, 4) for i, n in enumerate((16, 1000)))
+    records = cal.records(Simulation(ClusterSpec(mode="colocated", num_decode=2), profile, [short, long]).run())
+    bare = Simulation(ClusterSpec(mode="colocated", num_decode=2), profile, [short, long]).run()
+    for got, was, n in zip(records, bare, (16, 1000)):
+        assert got.ttft_s == pytest.approx(was.ttft_s + 0.008 + 5e-6 * n)
+        assert got.tpot_s == pytest.approx(was.tpot_s)  # a delay before the first token, not a slower stream
+    with pytest.raises(ValueError, match="serving_ttft_token_s"):
+        Calibration(serving_ttft_token_s=-1e-6)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_prompt_sent_again_finds_its_blocks_and_prefills_only_the_rest(profile, mode):
+    """1024 tokens, 1008 of them cached (63 blocks of 16, as the live engine hashes all but the last token's
+    block): the second send's TTFT is the prefill of 16 new tokens behind 1008 cached, on any replica count."""
+    spec = ClusterSpec(mode=mode, num_prefill=2, num_decode=3, transport="tcp")  # no transfer model: free
+    m = profile.for_role("decode")  # one model for both roles here
+    assert cached_ttft(spec, profile, 1024, 1008) == pytest.approx(m.prefill_time_s(16, 1008), rel=1e-6)
+    assert cached_ttft(spec, profile, 1024, 0) == pytest.approx(m.prefill_time_s(1024), rel=1e-6)
