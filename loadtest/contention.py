@@ -4,7 +4,9 @@ The simulator shares a host's cores fairly: k busy one-thread replicas on c < k 
 slower. Measured on the 2-core AMD EPYC VM (2026-12-01, ad hoc), three one-thread engines together timed a
 1,024-token prefill at 1.70x of one alone, and a batch-4 decode step at 1.40x on average (p50 1.2x, p90
 1.8x), where fair sharing says 1.5x: a compute-bound prefill loses more than its share, a short decode
-step less. The committed reports did not measure it; this runs `copies` engine processes of the
+step less. Reports before 2026-12-02 did not measure it (`validate --contention`
+measures it on the validating machine instead); a scenario run now does, before it deploys anything, where a
+target runs more engines than the host has cores (`for_scenario`). This runs `copies` engine processes of the
 scenario's model together on this machine, each at one torch thread, through the machine check's prefill
 and decode shapes, and one alone before and after. Each factor is together / alone over the fair share
 (copies / cores): the model's extra slow-down of a step with a prefill and of a decode-only step
@@ -86,6 +88,13 @@ def measure(model: str, copies: int, cores: float, window_s: float = 8.0, steps:
     return {"copies": copies, "cores": cores, "fair_share": fair,
             "prefill_ratio": ratios[0], "decode_ratio": ratios[1],
             "prefill": ratios[0] / fair, "decode": ratios[1] / fair}
+
+
+def for_scenario(model: str, systems: list[dict[str, Any]], cores: int | None) -> dict[str, float] | None:
+    """`measure` where some target runs more one-thread engines than the host has cores, else None: what a
+    scenario run records (`contention` in its report) for the validation to model."""
+    engines = engines_per_host({"targets": [{"system": s} for s in systems]})
+    return measure(model, engines, float(cores)) if cores and engines > cores else None
 
 
 def engines_per_host(report: dict[str, Any]) -> int:

@@ -7,6 +7,7 @@ baseline: every target is then judged against the same absolute bounds.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -115,6 +116,7 @@ def run_scenario(
     port: int = 0,
 ) -> dict[str, Any]:
     """Runs every target in order and writes summary.json, summary.md and the plots into out_dir."""
+    from pdserve.loadtest.contention import for_scenario
     from pdserve.loadtest.machine import check_machine, describe, profile_paths, replica_threads
     from pdserve.loadtest.models import resolve_model
     from pdserve.loadtest.placement_bound import scenario_bound
@@ -143,6 +145,11 @@ def run_scenario(
         return checks
 
     machine = machine_check(scenario.targets[0])  # before Ray starts: a bad profile path fails first
+    contention = for_scenario(str(model), [t.system for t in scenario.targets], os.cpu_count())
+    if contention:
+        log(f"contention: {contention['copies']} one-thread engines on {contention['cores']:g} cores, "
+            f"prefill {contention['prefill_ratio']:.2f}x and decode {contention['decode_ratio']:.2f}x alone "
+            f"(fair share {contention['fair_share']:.2f}x)")
     # on a trace, what any placement could save on it, beside what each target measures
     bound = scenario_bound(scenario) if scenario.workload.get("kind") == "mooncake" else None
     with local_serve(scenario.ray, port) as local:
@@ -182,6 +189,7 @@ def run_scenario(
     meta = {"scenario": scenario.name, "description": scenario.description, "model": str(model),
             "workload": scenario.workload, "load": scenario.load.model_dump(), "sweep": scenario.sweep.model_dump(),
             "slo_spec": scenario.slo, "slo_reference": scenario.targets[0].name,
-            "machine": machine, "placement_bound": bound, "wall_time_s": time.monotonic() - started,
+            "machine": machine, "contention": contention, "placement_bound": bound,
+            "wall_time_s": time.monotonic() - started,
             "provenance": provenance()}
     return write_report(out_dir, results, slo, scenario.chosen_cdf_rate, sweep.target, meta)

@@ -116,6 +116,7 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
     `observe(model, target, spec, calibration)` is called once per target, calibrated. `mid_step_arrivals`:
     whether the engines' stats showed a request waiting for a step in flight (pdserve.loadtest.validation_model)."""
     report = load_report(report_path)
+    contention = contention or report.get("contention")  # measured here (a what-if), else the run's own
     path = profile_path or _profile_path(scenario, report)
     profile = load_profile(path)
     oversubscribed = (contention["prefill"], contention["decode"]) if contention else (1.0, 1.0)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from pdserve.loadtest.cli import main as loadtest_main
-from pdserve.loadtest.contention import engines_per_host, measure
+from pdserve.loadtest.contention import engines_per_host, for_scenario, measure
 from pdserve.sim.cluster import Simulation
 from pdserve.sim.config import ClusterSpec, SimRequest
 
@@ -88,3 +88,33 @@ def test_validate_measures_contention_only_where_a_target_ran_more_engines_than_
     assert loadtest_main(argv) == 0
     plain = json.loads(capsys.readouterr().out)["disagg-vs-colocated-fixed"]
     assert plain["figures"] == out["disagg-vs-colocated-fixed"]["figures"]
+
+
+def test_a_scenario_run_measures_contention_only_where_engines_outnumber_the_cores():
+    """for_scenario's None path; the measuring path is `measure`, timed above."""
+    colocated = [{"mode": "colocated", "decode": {"num_replicas": 2}}]
+    assert for_scenario("tiny", colocated, 2) is None and for_scenario("tiny", colocated, None) is None
+    assert for_scenario("tiny", [{"prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}}], 4) is None
+
+
+def test_a_report_that_measured_its_own_contention_is_modelled_with_it(monkeypatch, capsys, tmp_path):
+    """Without the flag, the run's own measurement (a scenario run records it) scales the over-subscribed
+    steps; a report without one is modelled as before."""
+    monkeypatch.chdir(REPO)
+    report = json.loads((REPO / "loadtest/results/prefix-routing-fixed/before-serving-probe/run-1/summary.json")
+                        .read_text())
+    assert "contention" not in report
+    plain_path, own_path = tmp_path / "plain.json", tmp_path / "own.json"
+    plain_path.write_text(json.dumps(report))
+    own = {"copies": 3, "cores": 2.0, "fair_share": 1.5, "prefill_ratio": 1.8, "decode_ratio": 1.8,
+           "prefill": 1.2, "decode": 1.2}
+    own_path.write_text(json.dumps({**report, "contention": own}))
+    runs = {}
+    for name, path in (("plain", plain_path), ("own", own_path)):
+        assert loadtest_main(["validate", "prefix-routing-fixed", "--report", str(path), "--poll-phases", "1",
+                              "--json"]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)["prefix-routing-fixed"]
+    assert runs["plain"]["contention"] is None and runs["own"]["contention"] == own
+    figure = "round_robin/5.66/tpot_p50_ms"
+    assert runs["own"]["figures"][figure]["predicted"] > runs["plain"]["figures"][figure]["predicted"]
+    assert runs["own"]["figures"][figure]["measured"] == runs["plain"]["figures"][figure]["measured"]
