@@ -19,7 +19,7 @@ from pdserve.loadtest.slo import SLO
 from pdserve.loadtest.sweep import SweepConfig
 from pdserve.loadtest.workloads import Workload, workload
 from pdserve.loadtest.serving_probe import ServingProbe
-from pdserve.sim.calibrate import CPUAccount, Calibration, prefill_drift, rel_error, serving_costs, serving_step
+from pdserve.sim.calibrate import CPUAccount, Calibration, rel_error, serving_costs, serving_step
 from pdserve.sim.cluster import Simulation
 from pdserve.sim.config import ClusterSpec, SimRequest
 from pdserve.sim.results import aggregate, median_aggregate
@@ -129,8 +129,8 @@ class Model:
                     return batch_latency(host, served, b.k, b.prompt_len, b.output_len)
 
                 cal = dataclasses.replace(cal, serving_step_s=serving_step(batch.tpot_s, probe_tpot))
-            if probed:  # the serving path's TTFT measured on its own; the idle probe then re-times the prefill
-                cal = self.from_serving_probe(spec, cal, probed, live["ttft_ms"] / 1e3, probe)
+            if probed:  # the serving path's TTFT, measured on its own
+                cal = self.from_serving_probe(spec, cal, probed)
             sim = idle_latency(spec, dataclasses.replace(cal, relay_token_s=0.0).profile(self.profile), probe)
             ttft, relay = serving_costs(live["ttft_ms"] / 1e3, live["tpot_ms"] / 1e3, sim.ttft_s, sim.tpot_s)
             ttft = cal.serving_ttft_s if probed else ttft
@@ -143,11 +143,11 @@ class Model:
                                           background_cores=background)
         return cal
 
-    def from_serving_probe(self, spec: ClusterSpec, cal: Calibration, serving: ServingProbe, live_idle_ttft_s: float,
-                           probe: list[SimRequest]) -> Calibration:
+    def from_serving_probe(self, spec: ClusterSpec, cal: Calibration, serving: ServingProbe) -> Calibration:
         """`serving_ttft_s`: the probe's short TTFT less the simulator's for that request; `serving_ttft_token_s`:
-        its cached sends' TTFT beyond that and the simulator's, per prompt token; then the prefill scales moved
-        so that the simulator's idle request plus both meets the idle probe's TTFT."""
+        its cached sends' TTFT beyond that and the simulator's, per prompt token. The prefill's speed stays the
+        machine check's (re-timing it from the idle probe or the cold sends moved the worst errors the wrong
+        way: docs/simulator.md)."""
         bare = dataclasses.replace(cal, relay_token_s=0.0).profile(self.profile)
         short = SimRequest(0, 0.0, serving.spec.prompt_len, max(2, serving.spec.output_len))
         fixed = max(0.0, serving.ttft_s - idle_latency(spec, bare, [short]).ttft_s)
@@ -155,10 +155,7 @@ class Model:
         if cached := serving.cached:
             n = serving.spec.cached_len
             per_token = max(0.0, cached[0] - fixed - cached_ttft(spec, bare, n, cached[1])) / n
-        idle = idle_latency(spec, bare, probe)
-        prompt = round(sum(r.prompt_tokens for r in probe) / len(probe))
-        factor = prefill_drift(live_idle_ttft_s, fixed + per_token * prompt, idle.ttft_s)
-        return dataclasses.replace(cal.with_prefill_drift(factor), serving_ttft_s=fixed, serving_ttft_token_s=per_token)
+        return dataclasses.replace(cal, serving_ttft_s=fixed, serving_ttft_token_s=per_token)
 
     def tokens(self, spec: ClusterSpec, rate: float) -> int:
         return sum(r.output_tokens for r in requests_for(self.work, self.load, rate, spec.decode.block_size))

@@ -16,11 +16,9 @@ A profile times one engine alone on the machine it was measured on. A live load-
 - **Serving probe** (reports that have one, pdserve.loadtest.serving_probe): short prompts one at a time, whose
   TTFT is the serving path's fixed part, `serving_ttft_s` (less the simulator's TTFT for the same request);
   then a long prompt found in the prefix cache, whose TTFT beyond that and the simulator's short prefill is
-  the path's cost per prompt token, `serving_ttft_token_s`. The idle probe, less both, re-times the prefill
-  on the live replica: `prefill_scale` (and the cached term's scale with it) moves by `prefill_drift`. Without
-  the probe, serving cost is what the idle probe measured beyond the machine check's scaled prefill, and a
-  check a few percent off (the replica's prefill against the check's process, or minutes of VM drift) is
-  then read as serving cost, or hides it.
+  the path's cost per prompt token, `serving_ttft_token_s`. Without the probe, the serving cost is what the
+  idle probe measured beyond the machine check's scaled prefill, and a check a few percent off (minutes of
+  VM drift, or the replica against the check's process) is then read as serving cost, or hides it.
 - **Relay per token** (`relay_token_s`): for reports without a batch probe, the idle probe's TPOT gap, added
   to the decode step's per-row term `b` (at batch 1 it adds exactly itself to TPOT). One request alone
   streams more slowly than requests sharing steps, so under load this over-prices every row.
@@ -104,11 +102,6 @@ class Calibration:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def with_prefill_drift(self, factor: float) -> Calibration:
-        """Every prefill coefficient (the cached term's too) `factor` times slower."""
-        cached = None if self.prefill_cached_scale is None else self.prefill_cached_scale * factor
-        return dataclasses.replace(self, prefill_scale=self.prefill_scale * factor, prefill_cached_scale=cached)
-
 
 def scales_from_machine(check: Mapping[str, Any], profile: LatencyProfile) -> tuple[float, float, float]:
     """(prefill, decode fixed, decode row) scales from a machine check's measured/profiled shapes
@@ -189,14 +182,6 @@ def serving_costs(live_ttft_s: float, live_tpot_s: float, sim_ttft_s: float, sim
     """(serving_ttft_s, relay_token_s): what the idle probe measured beyond the scaled simulator's idle
     request; never negative (a live figure below the simulated one leaves that cost at 0)."""
     return max(0.0, live_ttft_s - sim_ttft_s), max(0.0, live_tpot_s - sim_tpot_s)
-
-
-def prefill_drift(live_idle_ttft_s: float, serving_ttft_s: float, sim_idle_ttft_s: float) -> float:
-    """How much slower the live prefill ran than the scaled simulator's, from the idle probe: its TTFT less the
-    serving path's (the serving probe), over the simulator's idle TTFT (all prefill on a CPU profile, whose
-    handoffs are free). 1.0 where there is nothing to divide."""
-    prefill = live_idle_ttft_s - serving_ttft_s
-    return prefill / sim_idle_ttft_s if prefill > 0 and sim_idle_ttft_s > 0 else 1.0
 
 
 def serving_step(live_tpot_s: float, tpot_at: Callable[[float], float], tol_s: float = 1e-5) -> float:

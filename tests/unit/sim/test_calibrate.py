@@ -9,7 +9,6 @@ from pdserve.sim.calibrate import (
     Calibration,
     CPUAccount,
     off_step_cpu,
-    prefill_drift,
     rel_error,
     scales_from_machine,
     serving_costs,
@@ -260,20 +259,6 @@ def test_a_batch_probes_requests_decode_together(profile):
     alone, eight = (batch_latency(spec, profile, k, 64, 128) for k in (1, 8))
     assert eight > alone >= d.decode_step_s(1, 64)
     assert eight >= d.decode_step_s(8, 8 * 64)
-
-
-def test_prefill_drift_is_the_idle_probes_prefill_over_the_simulators():
-    # 389 ms live, of which 9 ms serving path: the live prefill took 380 ms against the simulator's 362
-    assert prefill_drift(0.389, 0.009, 0.362) == pytest.approx(0.380 / 0.362)
-    assert prefill_drift(0.010, 0.012, 0.362) == 1.0  # the serving path above the whole TTFT: nothing to divide
-    assert prefill_drift(0.3, 0.0, 0.0) == 1.0
-
-
-def test_a_prefill_drift_moves_every_prefill_coefficient_and_no_decode_one(profile):
-    cal = Calibration(1.2, 0.6, 0.4, prefill_cached_scale=4.0).with_prefill_drift(1.1)
-    assert (cal.prefill_scale, cal.prefill_cached_scale) == (pytest.approx(1.32), pytest.approx(4.4))
-    assert (cal.decode_fixed_scale, cal.decode_row_scale) == (0.6, 0.4)
-    assert Calibration(1.0, 1.0, 1.0).with_prefill_drift(0.9).prefill_cached_scale is None  # the uniform scale
 
 
 def test_the_serving_path_delays_each_request_by_its_fixed_part_and_its_prompt(profile):
