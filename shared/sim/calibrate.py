@@ -68,8 +68,8 @@ class Calibration:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.prefill_cached_scale is not None and not self.prefill_cached_scale > 0:
             raise ValueError(f"prefill_cached_scale must be > 0, got {self.prefill_cached_scale}")
-        for name in ("serving_ttft_s", "serving_ttft_token_s", "relay_token_s", "serving_step_s", "off_step_cpu_token_s", "serving_cpu_token_s",
-                     "background_cores"):
+        for name in ("serving_ttft_s", "serving_ttft_token_s", "relay_token_s", "serving_step_s",
+                     "off_step_cpu_token_s", "serving_cpu_token_s", "background_cores"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
