@@ -120,7 +120,7 @@ class Model:
         probe = requests_for(self.work, LoadConfig(64, 1.0, "poisson", 1.0, PROBE_SEED), 1.0, spec.decode.block_size)
         live = target["idle"]
         probed = ServingProbe.from_dict(target["serving_probe"]) if target.get("serving_probe") else None
-        for _ in range(3 if account or probed else 1):  # each term moves the others' simulations: a fixed point
+        for _ in range(3 if account else 1):  # each term moves the others' simulations: a fixed point
             if batch:  # the serving cost on every step: k requests decoding together, beyond the model's CPU
                 b, host = batch.spec, cal.spec(spec)
 
