@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from pdserve.loadtest.batch_probe import BatchProbe
 from pdserve.loadtest.distributions import Fixed
+from pdserve.loadtest.engine_steps import StepMeter, replica_reader
 from pdserve.loadtest.metrics import request_metrics
 from pdserve.loadtest.runner import LoadConfig, Run, run_load, run_point
 from pdserve.loadtest.serving_probe import ServingProbe
@@ -37,6 +38,8 @@ class TargetResult:
     cpu: dict[float, dict[str, float]] = field(default_factory=dict)
     # rate -> {"host": CPU seconds every core spent busy, "client": this process's} during that run
     host_cpu: dict[float, dict[str, float]] = field(default_factory=dict)
+    # rate -> role -> its engines' stepping time during that run, summed (pdserve.loadtest.engine_steps)
+    steps: dict[float, dict[str, Any]] = field(default_factory=dict)
     # CPU seconds over a quiet window before the sweep (measure_quiet_cpu): what the host burns with no load
     quiet_cpu: dict[str, Any] | None = None
     # the machine checks measured just before this target was deployed (pdserve.loadtest.machine)
@@ -107,7 +110,7 @@ def sweep_target(
     runs_dir.mkdir(parents=True, exist_ok=True)
 
     def measure(rate: float) -> float:
-        meters = (ReplicaCPU(app), HostCPU()) if app else None
+        meters = (ReplicaCPU(app), HostCPU(), StepMeter(replica_reader(app))) if app else None
         if meters is not None:
             for m in meters:
                 m.start()
@@ -115,14 +118,15 @@ def sweep_target(
                         label=f"{name} @ {rate:.3g} req/s")
         result.runs[rate] = run
         if meters is not None:
-            result.cpu[rate], result.host_cpu[rate] = meters[0].stop(), meters[1].stop()
+            result.cpu[rate], result.host_cpu[rate], result.steps[rate] = (m.stop() for m in meters)
         value = attainment(run.results, slo)
         c = run.summary.counts
         log(f"  {name} @ {rate:.3g} req/s: attainment {value:.0%}, {c.completed}/{c.total} completed "
             f"({c.rejected} rejected, {c.errors} errors, {c.cancelled} cancelled) in {run.duration_s:.1f} s")
         record = {"target": name, "rate": rate, "attainment": value,
                   "goodput": request_goodput(run.results, slo, run.duration_s), "slo": slo.to_dict(),
-                  "replica_cpu_s": result.cpu.get(rate), "host_cpu_s": result.host_cpu.get(rate), **run.to_dict()}
+                  "replica_cpu_s": result.cpu.get(rate), "host_cpu_s": result.host_cpu.get(rate),
+                  "engine_steps": result.steps.get(rate), **run.to_dict()}
         (runs_dir / f"rate-{rate:.4g}.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         return value
 

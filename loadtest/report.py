@@ -65,7 +65,7 @@ def summary_dict(targets: list[TargetResult], slo: SLO, cdf_rate: float, target_
     for t in targets:
         ttft = ttft_p50_ms(t, cdf_rate)
         points = [{"rate": r, "attainment": t.sweep.points[r], "goodput": t.goodput_at(r),
-                   "replica_cpu_s": t.cpu.get(r), "host_cpu_s": t.host_cpu.get(r),
+                   "replica_cpu_s": t.cpu.get(r), "host_cpu_s": t.host_cpu.get(r), "engine_steps": t.steps.get(r),
                    "summary": t.runs[r].summary.to_dict()}
                   for r in sorted(t.sweep.points)]
         out_targets.append({

@@ -82,6 +82,24 @@ def compare_cpu(replicas_s: float, tokens: int, cal: Calibration, account: CPUAc
     return out
 
 
+def compare_steps(predicted: Mapping[str, Mapping[str, float]], measured: Mapping[str, Any]) -> dict[str, Any]:
+    """Role -> the simulator's steps beside the live engines' (pdserve.loadtest.engine_steps): counts, wall and
+    CPU seconds, and the wall over CPU (`stretch`); live, the wall's share waiting for a core and the rest
+    (`blocked_share`: the GIL, locks), and the gaps between steps, which the simulator does not have."""
+    out = {}
+    for role, live in measured.items():
+        sim = predicted.get(role)
+        if not sim or not live.get("num_steps") or not live.get("step_cpu_s"):
+            continue
+        wall, cpu, wait = live["step_s"], live["step_cpu_s"], live["step_wait_s"]
+        out[role] = {
+            "predicted": {**sim, "stretch": sim["step_s"] / sim["step_cpu_s"] if sim["step_cpu_s"] else None},
+            "measured": {k: v for k, v in live.items() if k not in ("replicas", "each", "unmatched")}
+            | {"stretch": wall / cpu, "wait_share": wait / wall, "blocked_share": max(0.0, wall - cpu - wait) / wall},
+        }
+    return out
+
+
 def cpu_summary(replica_cpu: dict[str, dict[str, float]]) -> dict[str, Any]:
     if not replica_cpu:
         return {}
@@ -131,6 +149,7 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
     calibrations: dict[str, Any] = {}
     left_out: list[str] = []
     replica_cpu: dict[str, dict[str, float]] = {}
+    engine_steps: dict[str, dict[str, Any]] = {}
     for i, target in enumerate(targets):
         name, spec = target["name"], model.spec(target)
         checks = target.get("machine") or report.get("machine")
@@ -153,7 +172,9 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
             if fitted is not None and i == 0 and rate == lowest:
                 left_out.append(f"{name}/{rate:.3g}")
                 continue
-            predicted, cpu = model.simulate(spec, cal, rate)
+            predicted, cpu, steps = model.simulate(spec, cal, rate)
+            if point.get("engine_steps") and (stepped := compare_steps(steps, point["engine_steps"])):
+                engine_steps[f"{name}/{rate:.3g}"] = stepped
             for fig, value in compare(predicted, point["summary"]).items():
                 figures[f"{name}/{rate:.3g}/{fig}"] = value
             if account := CPUAccount.of(point, target.get("quiet_cpu_s")):
@@ -174,6 +195,7 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
         "max_abs_rel_error": worst, "within_target": worst <= TARGET_ERROR,
         "num_figures": len(figures), "num_within_target": sum(e <= TARGET_ERROR for e in errors.values()),
         "figures": figures, "grid_figures": grid, "calibration": calibrations, **cpu_summary(replica_cpu),
+        **({"engine_steps": engine_steps} if engine_steps else {}),
         "calibrated_on": "idle probes" + (
             f"; no machine check in the report: prefill and decode scales {fitted[0][0]:g} and {fitted[0][1]:g} "
             f"fitted on {', '.join(left_out)} (left out of the figures)" if fitted else " and machine checks"),

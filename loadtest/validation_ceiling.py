@@ -61,7 +61,7 @@ class RunPhases:
         self.goal = model.sweep.target
         for rate in rates:
             runs = model.phase_points(spec, cal, rate, self.phases)
-            self.points[f"{target['name']}/{rate:.3g}"] = [point_figures(agg) for agg, _ in runs]
+            self.points[f"{target['name']}/{rate:.3g}"] = [point_figures(agg) for agg, *_ in runs]
 
     def draw(self, rng: random.Random, goal: float) -> dict[str, float]:
         """One virtual repetition: every point at a phase drawn for it; each target's goodput where the

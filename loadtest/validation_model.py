@@ -87,17 +87,21 @@ class Model:
     def point(self, spec: ClusterSpec, cal: Calibration, rate: float) -> dict[str, Any]:
         return self.simulate(spec, cal, rate)[0]
 
-    def simulate(self, spec: ClusterSpec, cal: Calibration, rate: float) -> tuple[dict[str, Any], dict[str, float]]:
-        """(the point's aggregates, CPU seconds of each role's engine steps), each the median over
-        `poll_phases` phases of the routers' polls against the arrivals where placement reads the polls."""
+    def simulate(self, spec: ClusterSpec, cal: Calibration, rate: float
+                 ) -> tuple[dict[str, Any], dict[str, float], dict[str, dict[str, float]]]:
+        """(the point's aggregates, CPU seconds of each role's replicas, each role's steps: Simulation.step_seconds),
+        each the median over `poll_phases` phases of the routers' polls against the arrivals where placement
+        reads the polls."""
         runs = self.phase_points(spec, cal, rate, self.poll_phases)
-        return (median_aggregate([point for point, _ in runs]),
-                {role: statistics.median(cpu[role] for _, cpu in runs) for role in runs[0][1]})
+        steps = {role: {k: statistics.median(s[role][k] for *_, s in runs) for k in fields}
+                 for role, fields in runs[0][2].items()}
+        return (median_aggregate([point for point, *_ in runs]),
+                {role: statistics.median(cpu[role] for _, cpu, _ in runs) for role in runs[0][1]}, steps)
 
     def phase_points(self, spec: ClusterSpec, cal: Calibration, rate: float, phases: int
-                     ) -> list[tuple[dict[str, Any], dict[str, float]]]:
-        """(aggregates, CPU seconds of each role's steps) at `phases` phases of the routers' polls, evenly
-        spaced over the poll period; one where placement reads no stats."""
+                     ) -> list[tuple[dict[str, Any], dict[str, float], dict[str, dict[str, float]]]]:
+        """(aggregates, CPU seconds of each role's replicas, each role's steps) at `phases` phases of the
+        routers' polls, evenly spaced over the poll period; one where placement reads no stats."""
         requests = requests_for(self.work, self.load, rate, spec.decode.block_size)
         phases = 1 if spec.router.placement.policy in STATS_FREE else phases
         runs = []
@@ -106,7 +110,7 @@ class Model:
             sim = Simulation(cal.spec(phased), cal.profile(self.profile), requests,
                              placement_profile=self.profile)
             runs.append((aggregate(cal.records(sim.run()), self.slo, rate, self.load.max_duration_s),
-                         sim.cpu_seconds()))
+                         sim.cpu_seconds(), sim.step_seconds()))
         return runs
 
     def calibrate(self, spec: ClusterSpec, target: dict[str, Any], scales: tuple[float, float, float],
@@ -136,7 +140,7 @@ class Model:
             ttft = cal.serving_ttft_s if probed else ttft
             cal = dataclasses.replace(cal, serving_ttft_s=ttft, relay_token_s=0.0 if batch else relay)
             if account is not None:
-                _, modelled = self.simulate(spec, cal, low["rate"])
+                _, modelled, _ = self.simulate(spec, cal, low["rate"])
                 steps = sum(modelled.values()) - tokens * cal.off_step_cpu_token_s
                 off_step, serving, background = account.costs(steps, tokens)
                 cal = dataclasses.replace(cal, off_step_cpu_token_s=off_step, serving_cpu_token_s=serving,

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +21,7 @@ from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec import Drafter
 from pdserve.engine.spec.verify import Verified, verify
+from pdserve.engine.step_clock import StepClock
 from pdserve.engine.tp_group import TensorParallelModel
 from pdserve.engine.tp_kv import ShardedKV
 from pdserve.models.config import load_model_config
@@ -94,12 +93,8 @@ class LLMEngine(EngineLeases):
         self.leases = LeaseTable(config.lease_ttl_s)
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self.requests: dict[str, _RequestState] = {}
-        self.step_times: deque[float] = deque(maxlen=32)
-        self.step_tokens: deque[int] = deque(maxlen=32)
-        # from a step's end to the next one's start while requests stayed unfinished: the time the
-        # engine's process spent between steps (loop hand-offs, streaming, everything under the GIL)
-        self.step_gaps: deque[float] = deque(maxlen=32)
-        self._busy_since: float | None = None  # the last step's end, while requests remain
+        # recent steps and the gaps between them (loop hand-offs, streaming, everything under the GIL)
+        self.clock = StepClock()
         self.num_preemptions = 0
         self.num_expired_leases = 0
         self.num_draft_tokens = 0
@@ -168,7 +163,7 @@ class LLMEngine(EngineLeases):
         if not state.seq.is_finished:
             self.scheduler.finish(state.seq, "abort")
         if not self.requests:
-            self._busy_since = None  # the engine may idle now: no gap until a step ends with work left
+            self.clock.idle()  # the engine may idle now: no gap until a step ends with work left
         return True
 
     def has_unfinished(self) -> bool:
@@ -183,6 +178,7 @@ class LLMEngine(EngineLeases):
         """Stop the tensor-parallel worker ranks, if any (idempotent; also done at interpreter exit)."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
+        self.clock.close()
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -202,9 +198,7 @@ class LLMEngine(EngineLeases):
         self.num_preemptions += len(batch.preempted)
         if batch.is_empty:
             return []
-        start = time.perf_counter()
-        if self._busy_since is not None:
-            self.step_gaps.append(start - self._busy_since)
+        self.clock.begin()
         # a prefix-cache hit's full blocks can leave before the rest of the prompt is computed
         cached_parts = take_parts([seq for seq, _ in batch.prefills], self.block_manager, self.leases)
         seqs, logits, prompt_rows, verify_rows = self.runner.run(batch)
@@ -220,10 +214,7 @@ class LLMEngine(EngineLeases):
             outputs.extend(self._postprocess_verified(result))
         if self.sharded_kv is not None:
             self._gather_handed_off(outputs)
-        end = time.perf_counter()
-        self.step_times.append(end - start)
-        self.step_tokens.append(batch.num_tokens)
-        self._busy_since = end if self.has_unfinished() else None
+        self.clock.end(batch.num_tokens, self.has_unfinished(), prefill=bool(batch.prefills))
         return outputs
 
     def _advance(self, batch: ScheduledBatch, verified: list[Verified]) -> None:
@@ -299,9 +290,10 @@ class LLMEngine(EngineLeases):
             num_total_blocks=self.block_manager.num_blocks,
             block_size=self.block_manager.block_size,
             num_leased_blocks=self.leases.num_blocks,
-            recent_step_times_s=tuple(self.step_times),
-            recent_step_tokens=tuple(self.step_tokens),
-            recent_step_gaps_s=tuple(self.step_gaps),
+            recent_step_times_s=tuple(self.clock.times),
+            recent_step_tokens=tuple(self.clock.tokens),
+            recent_step_gaps_s=tuple(self.clock.gaps),
+            step_totals=self.clock.totals,
             prefix_hit_tokens=self.block_manager.num_prefix_hit_tokens,
             prefix_queried_tokens=self.block_manager.num_prefix_queried_tokens,
             num_preemptions=self.num_preemptions,

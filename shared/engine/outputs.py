@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pdserve.engine.step_clock import StepTotals
 from pdserve.sampling_params import SamplingParams
 
 
@@ -109,3 +110,4 @@ class EngineStats:
     num_spec_accepted_tokens: int = 0
     num_spec_verifications: int = 0
     recent_step_gaps_s: tuple[float, ...] = ()  # step end -> next step start while requests stayed unfinished
+    step_totals: StepTotals | None = None  # cumulative stepping time (pdserve.engine.step_clock)

@@ -15,6 +15,7 @@ from prometheus_client.metrics_core import Metric
 
 from pdserve.observability.metrics_snapshot import CONTENT_TYPE, Snapshot, render, snapshot_of
 from pdserve.observability.slo import SloWindow, time_per_output_token
+from pdserve.observability.step_metrics import StepCollector
 
 LABELS = ("role", "replica", "model")
 
@@ -206,6 +207,8 @@ class ServingMetrics:
         self._kv_leases_expired = counter(
             "pdserve_kv_leases_expired", "KV leases that expired before decode adopted them")
         self._num_expired_leases = 0
+        self.steps = StepCollector(self.labels)  # engine replicas update it from their EngineStats
+        r.register(self.steps)
         if slo is not None:
             r.register(SloCollector(slo, self.labels))
 

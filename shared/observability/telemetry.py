@@ -44,6 +44,7 @@ class Telemetry:
             self.metrics.set_kv_cache_usage(1.0 - stats.num_free_blocks / stats.num_total_blocks)
         self.metrics.set_running(stats.num_running)
         self.metrics.set_waiting(stats.num_waiting)
+        self.metrics.steps.update(getattr(stats, "step_totals", None))
         return {"replica": self.replica, "role": self.role, "metrics": self.metrics.snapshot()}
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ from pdserve.sim.config import ClusterSpec, SimRequest
 from pdserve.sim.engine import Batch, Engine, SimSeq
 from pdserve.sim.host import OffStepLoad, SharedCores
 from pdserve.sim.results import RequestRecord
+from pdserve.sim.steps import StepLedger, summed
 
 # event priorities at equal times: replicas come up and steps end before polls, polls before arrivals
 READY, STEP, TRANSFER, POLL, SCALE, ARRIVAL = range(6)
@@ -46,6 +47,8 @@ class Replica:
     step_start: float = 0.0
     step_version: int = 0  # a step-end event for an older version is stale (its end moved)
     cpu_s: float = 0.0  # CPU seconds its steps burned: profiled time x threads (sharing stretches wall time only)
+    step_cpu: float = 0.0  # the step in flight's CPU seconds
+    steps: StepLedger = field(default_factory=StepLedger)  # its steps, as the live engine counts them
 
     @property
     def replica_id(self) -> str:
@@ -243,7 +246,8 @@ class Simulation:
         if not batch.decodes and not batch.prefills:
             return  # waits for blocks: a handoff or a finish frees them and kicks it again
         profiled = engine.step_time_s(batch)
-        replica.cpu_s += profiled * self._threads(replica)
+        replica.step_cpu = profiled * self._threads(replica)
+        replica.cpu_s += replica.step_cpu
         replica.batch, replica.step_start = batch, self.now
         if self.cores is None:
             engine.busy_until = self.now + profiled * self._sharing(replica, batch)
@@ -288,6 +292,7 @@ class Simulation:
         if self.cores is not None:
             self.cores.finish(replica, self.now)
         outcome = engine.complete(batch, self.now, self.now - replica.step_start)  # type: ignore[arg-type]
+        replica.steps.add(self.now - replica.step_start, replica.step_cpu, bool(batch.prefills))  # type: ignore[union-attr]
         self.off_step.add(self.now, outcome.num_tokens)
         replica.cpu_s += outcome.num_tokens * self.spec.off_step_cpu_token_s
         for seq in outcome.prefilled:
@@ -353,6 +358,11 @@ class Simulation:
         for r in (*self.retired, *self.replicas):
             out[r.role] += r.cpu_s
         return out
+
+    def step_seconds(self) -> dict[str, dict[str, float]]:
+        """Role -> its replicas' steps so far: how many, their wall time, their CPU, and the same for the steps
+        that carried prompt tokens (a live run's `engine_steps`, pdserve.engine.step_clock.StepTotals)."""
+        return summed([(r.role, r.steps) for r in (*self.retired, *self.replicas)])
 
     def replica_seconds(self) -> dict[str, float]:
         out = {"prefill": 0.0, "decode": 0.0}

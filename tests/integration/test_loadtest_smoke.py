@@ -55,6 +55,9 @@ def test_smoke_scenario_end_to_end(ray_serve, tmp_path):
             assert point["replica_cpu_s"]["decode"] > 0  # the target's own replica processes, read from /proc
             host = point["host_cpu_s"]  # every core's busy time covers the replicas' and the client's
             assert host["host"] >= point["replica_cpu_s"]["decode"] and host["client"] > 0
+            steps = point["engine_steps"]["decode"]  # the engines' own step counters, read from /metrics
+            assert steps["replicas"] >= 1 and steps["num_steps"] >= max(r["output_tokens"] for r in done)
+            assert 0 < steps["step_cpu_s"] <= steps["step_s"] + 0.05 and steps["step_wait_s"] >= 0
         quiet = target["quiet_cpu_s"]
         assert quiet["seconds"] == 10.0 and 0 <= quiet["host"] < 2 * quiet["seconds"] and "decode" in quiet["replicas"]
 

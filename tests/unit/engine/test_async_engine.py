@@ -29,7 +29,7 @@ def test_concurrent_generates_match_sequential(tiny_dir: Path) -> None:
                 assert "".join(d.text for d in con) == "".join(d.text for d in seq)
                 assert con[-1].finished and con[-1].finish_reason == "length"
             await settle(engine)
-            assert engine.engine.step_times  # it really stepped
+            assert engine.engine.clock.times  # it really stepped
         finally:
             await engine.close()
 
@@ -91,6 +91,11 @@ def test_stats_snapshot_while_requests_run(tiny_dir: Path) -> None:
             # a gap per step after the first while requests ran on
             assert 0 < len(snap.recent_step_gaps_s) and all(0 < g < SETTLE_S for g in snap.recent_step_gaps_s)
             assert snap.recent_step_tokens[-1] == 2  # two decodes a step while the third waits
+            totals = snap.step_totals  # cumulative: every step so far (fewer than 32, so all are recent)
+            assert totals.num_steps == len(snap.recent_step_times_s)
+            assert totals.step_s == pytest.approx(sum(snap.recent_step_times_s))
+            assert totals.num_gaps == len(snap.recent_step_gaps_s) and 0 < totals.step_cpu_s <= totals.step_s + 1e-3
+            assert 1 <= totals.num_prefill_steps <= 2 < totals.num_steps  # the running two prefilled, the third waits
             assert snap.prefix_queried_tokens >= 41
             assert all(await asyncio.gather(engine.abort("st0"), engine.abort("st1")))
             await asyncio.wait_for(asyncio.gather(*tasks), SETTLE_S)

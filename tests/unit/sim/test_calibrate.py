@@ -16,7 +16,8 @@ from pdserve.sim.calibrate import (
 )
 from pdserve.sim.scenario import batch_latency, cached_ttft
 from pdserve.sim.cluster import Simulation
-from pdserve.sim.config import ClusterSpec, EngineSpec, SimRequest
+from pdserve.placement.policy import PlacementConfig
+from pdserve.sim.config import ClusterSpec, EngineSpec, RouterSpec, SimRequest
 from pdserve.sim.host import OffStepLoad, SharedCores
 
 
@@ -145,6 +146,21 @@ def test_replica_cpu_is_its_steps_plus_its_off_step_work_per_token(profile):
         sim.run()
         steps = m.prefill_time_s(200) + sum(m.decode.step_s(1, 200 + k) for k in range(1, 5))
         assert sim.cpu_seconds()["decode"] == pytest.approx(steps + 5 * 0.002, rel=1e-6)
+        counted = sim.step_seconds()["decode"]  # the live engines' step counters' twin: 1 prefill + 4 decodes
+        assert counted["num_steps"] == 5 and counted["step_cpu_s"] == pytest.approx(steps, rel=1e-6)
+        assert counted["step_s"] == pytest.approx(steps, rel=1e-6)  # alone, on cores enough: wall = CPU
+        assert counted["num_prefill_steps"] == 1 and counted["prefill_step_cpu_s"] == pytest.approx(m.prefill_time_s(200))
+
+
+def test_steps_sharing_too_few_cores_take_more_wall_than_cpu(profile):
+    """Two one-thread replicas decoding at once on one core: each step's wall time is about twice its CPU."""
+    spec = ClusterSpec(mode="colocated", num_decode=2, num_cores=1.0,
+                       router=RouterSpec(placement=PlacementConfig(policy="round_robin")))  # one request each
+    sim = Simulation(spec, profile, [SimRequest(0, 0.0, 16, 200), SimRequest(1, 0.0, 16, 200)])
+    sim.run()
+    counted = sim.step_seconds()["decode"]
+    assert counted["num_steps"] == 400 and 1.8 < counted["step_s"] / counted["step_cpu_s"] <= 2.0
+    assert sim.step_seconds()["prefill"]["num_steps"] == 0
 
 
 def test_off_step_work_takes_cores_from_the_steps(profile):
