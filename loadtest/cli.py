@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 CORE_SHARING = ("step", "continuous")  # pdserve.sim.config.CORE_SHARING (not imported: the CLI starts light)
-SERVING_COSTS = ("step", "relay")  # pdserve.loadtest.validate: the serving layer's decode time, per step or per row
+SERVING_COSTS = ("counters", "step", "relay")  # pdserve.loadtest.validate: the serving layer's decode time, per step or per row
 POLL_PHASES = 8  # pdserve.loadtest.validation_model.POLL_PHASES
 MID_STEP_ARRIVALS = ("report", "counted", "unseen")  # pdserve.loadtest.validation_model.MID_STEP_ARRIVALS
 
@@ -117,9 +117,11 @@ def parser() -> argparse.ArgumentParser:
                           "to N threads a replica, by the check's shapes measured here at N and at the default "
                           "(pdserve.loadtest.machine_threads; a few minutes)")
     validate.add_argument("--serving-cost", choices=SERVING_COSTS, default=SERVING_COSTS[0],
-                          help="how the serving layer's decode time is calibrated: per step from each target's "
-                          "batch probe (reports without one fall back to relay), or per row from its idle "
-                          "probe's TPOT, the calibration before the batch probe (default %(default)s)")
+                          help="how the serving layer's decode time is calibrated: from the engines' own step "
+                          "counters at each target's lowest rate (the gaps between steps, and the steps' CPU; "
+                          "reports without counters fall back to step), per step from each target's batch probe "
+                          "(reports without one fall back to relay), or per row from its idle probe's TPOT, the "
+                          "calibration before the batch probe (default %(default)s)")
     validate.add_argument("--core-sharing", choices=CORE_SHARING, default=CORE_SHARING[0],
                           help="how the model's steps share the host's cores: each slowed by the demand when it "
                           "starts, or all re-rated whenever a step starts or ends (default %(default)s)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import statistics
+from collections.abc import Mapping
 from typing import Any
 
 from pdserve.latency_model import LatencyProfile
@@ -50,11 +51,12 @@ class Model:
     """One scenario's simulated runs: the report's configuration, a calibration per target."""
 
     def __init__(self, scenario: Scenario, report: dict[str, Any], profile: LatencyProfile,
-                 serving_cores: float = 0.0, serving_cost: str = "step", core_sharing: str = "step",
+                 serving_cores: float = 0.0, serving_cost: str = "counters", core_sharing: str = "step",
                  poll_phases: int = POLL_PHASES, oversubscribed: tuple[float, float] = (1.0, 1.0),
                  mid_step_arrivals: str = "report") -> None:
-        if serving_cost not in ("step", "relay"):
-            raise ValueError(f"serving cost {serving_cost!r}: 'step' (the batch probe) or 'relay' (the idle probe)")
+        if serving_cost not in ("counters", "step", "relay"):
+            raise ValueError(f"serving cost {serving_cost!r}: 'counters' (the engines' step counters), 'step' "
+                             "(the batch probe) or 'relay' (the idle probe)")
         if poll_phases < 1:
             raise ValueError(f"--poll-phases {poll_phases}: at least 1")
         self.poll_phases, self.oversubscribed = poll_phases, oversubscribed
@@ -118,7 +120,8 @@ class Model:
         cal = Calibration(*scales, source=source, prefill_cached_scale=cached_scale)
         low = min(target["points"], key=lambda p: p["rate"])
         account = CPUAccount.of(low, target.get("quiet_cpu_s"))
-        batch = target.get("batch_probe") if self.serving_cost == "step" else None
+        counters = low.get("engine_steps") if self.serving_cost == "counters" else None
+        batch = target.get("batch_probe") if self.serving_cost in ("counters", "step") and not counters else None
         batch = BatchProbe.from_dict(batch) if batch else None
         tokens = self.tokens(spec, low["rate"])
         probe = requests_for(self.work, LoadConfig(64, 1.0, "poisson", 1.0, PROBE_SEED), 1.0, spec.decode.block_size)
@@ -133,12 +136,14 @@ class Model:
                     return batch_latency(host, served, b.k, b.prompt_len, b.output_len)
 
                 cal = dataclasses.replace(cal, serving_step_s=serving_step(batch.tpot_s, probe_tpot))
+            if counters:  # the engines' own steps at the lowest rate: their CPU, and the gaps between them
+                cal = self.from_step_counters(spec, cal, low["rate"], counters)
             if probed:  # the serving path's TTFT, measured on its own
                 cal = self.from_serving_probe(spec, cal, probed)
             sim = idle_latency(spec, dataclasses.replace(cal, relay_token_s=0.0).profile(self.profile), probe)
             ttft, relay = serving_costs(live["ttft_ms"] / 1e3, live["tpot_ms"] / 1e3, sim.ttft_s, sim.tpot_s)
             ttft = cal.serving_ttft_s if probed else ttft
-            cal = dataclasses.replace(cal, serving_ttft_s=ttft, relay_token_s=0.0 if batch else relay)
+            cal = dataclasses.replace(cal, serving_ttft_s=ttft, relay_token_s=0.0 if batch or counters else relay)
             if account is not None:
                 _, modelled, _ = self.simulate(spec, cal, low["rate"])
                 steps = sum(modelled.values()) - tokens * cal.off_step_cpu_token_s
@@ -146,6 +151,29 @@ class Model:
                 cal = dataclasses.replace(cal, off_step_cpu_token_s=off_step, serving_cpu_token_s=serving,
                                           background_cores=background)
         return cal
+
+    def from_step_counters(self, spec: ClusterSpec, cal: Calibration, rate: float,
+                           live: dict[str, dict[str, float]]) -> Calibration:
+        """From the live engines' step counters at `rate` (pdserve.loadtest.engine_steps): `serving_step_s`, the
+        time between consecutive steps that was not a wait for a core, per gap (the engine loop's hand-offs and
+        the streams' work; the simulator adds it to each decode step, where the host's sharing stretches it
+        again); and the decode and prefill scales times the live steps' CPU over the simulator's for the same
+        point (decode-only steps, and steps that carried prompt tokens), which sets the profile's speed to the
+        replicas' own under the run's load rather than an engine's alone in the machine check."""
+        gaps = sum(r.get("num_gaps", 0) for r in live.values())
+        serving = sum(r["gap_s"] - r.get("gap_wait_s", 0.0) for r in live.values()) / gaps if gaps else 0.0
+        _, _, simulated = self.simulate(spec, dataclasses.replace(cal, serving_step_s=0.0), rate)
+
+        def cpu(steps: Mapping[str, Mapping[str, float]], prefill: bool) -> float:
+            return sum(r.get("prefill_step_cpu_s", 0.0) if prefill else r["step_cpu_s"] - r.get("prefill_step_cpu_s", 0.0)
+                       for r in steps.values())
+
+        k_decode = cpu(live, False) / cpu(simulated, False) if cpu(simulated, False) > 0 and cpu(live, False) > 0 else 1.0
+        k_prefill = cpu(live, True) / cpu(simulated, True) if cpu(simulated, True) > 0 and cpu(live, True) > 0 else 1.0
+        cached = None if cal.prefill_cached_scale is None else cal.prefill_cached_scale * k_prefill
+        return dataclasses.replace(cal, serving_step_s=max(0.0, serving), decode_fixed_scale=cal.decode_fixed_scale * k_decode,
+                                   decode_row_scale=cal.decode_row_scale * k_decode,
+                                   prefill_scale=cal.prefill_scale * k_prefill, prefill_cached_scale=cached)
 
     def from_serving_probe(self, spec: ClusterSpec, cal: Calibration, serving: ServingProbe) -> Calibration:
         """`serving_ttft_s`: the probe's short TTFT less the simulator's for that request; `serving_ttft_token_s`:

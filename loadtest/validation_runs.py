@@ -87,7 +87,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def validate_main(names: list[str], reports: list[str] | None, profile: str | None, write: Path | None,
                   serving_cores: float = 0.0, replica_threads: int | None = None,
-                  serving_cost: str = "step", core_sharing: str = "step", poll_phases: int = POLL_PHASES,
+                  serving_cost: str = "counters", core_sharing: str = "step", poll_phases: int = POLL_PHASES,
                   contention: bool = False, noise_ceiling: bool = False,
                   mid_step_arrivals: str = "report") -> dict[str, Any]:
     """`reports`: one scenario's live reports (several: repeated runs, combined); default

@@ -1,0 +1,78 @@
+"""The engines' step counters in a report (pdserve.loadtest.engine_steps) calibrate the profile's speed to the
+replicas' own steps and the serving cost per step to the gaps between them (pdserve.loadtest.validation_model):
+a report built from known steps is calibrated back to them."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from pdserve.loadtest.validate import load_scenario
+from pdserve.loadtest.validation_model import Model
+from pdserve.sim.calibrate import Calibration, cached_prefill_scale, scales_from_machine
+from pdserve.sim.scenario import load_profile
+
+REPO = Path(__file__).resolve().parents[3]
+REPORT = REPO / "loadtest/results/prefix-routing-fixed/run-1/summary.json"
+K_DECODE, K_PREFILL = 1.3, 0.85
+
+
+@pytest.fixture(scope="module")
+def setup():
+    report = json.loads(REPORT.read_text())
+    profile = load_profile(str(REPO / report["machine"][0]["profile_path"]))
+    model = Model(load_scenario(str(REPO / "loadtest/scenarios/prefix-routing-fixed.yaml")), report, profile,
+                  poll_phases=1)
+    return report, profile, model
+
+
+def check_scales(target: dict, profile) -> tuple[tuple[float, float, float], float | None]:
+    check = target["machine"][0]
+    scales = scales_from_machine(check, profile)
+    return scales, cached_prefill_scale(check, profile, scales[0])
+
+
+def countered(target: dict, model: Model, profile, gap_s: float, gap_wait_s: float) -> tuple[dict, Calibration]:
+    """The target as if its engines stepped K_DECODE and K_PREFILL times the machine check's time and each gap
+    between steps took `gap_s`, `gap_wait_s` of it waiting for a core: the counters its lowest point would give."""
+    target = copy.deepcopy(target)
+    (p, f, r), cached = check_scales(target, profile)
+    truth = Calibration(p * K_PREFILL, f * K_DECODE, r * K_DECODE,
+                        prefill_cached_scale=None if cached is None else cached * K_PREFILL)
+    low = min(target["points"], key=lambda q: q["rate"])
+    _, _, steps = model.simulate(model.spec(target), truth, low["rate"])
+    low["engine_steps"] = {
+        role: {**s, "replicas": 3, "step_wait_s": 0.0, "num_gaps": s["num_steps"] - 1,
+               "gap_s": gap_s * (s["num_steps"] - 1), "gap_wait_s": gap_wait_s * (s["num_steps"] - 1)}
+        for role, s in steps.items() if s["num_steps"]}
+    return target, truth
+
+
+@pytest.mark.parametrize("target_index", [0, 1])
+def test_the_steps_speed_and_the_gaps_work_are_calibrated_back(setup, target_index):
+    report, profile, model = setup
+    target, truth = countered(report["targets"][target_index], model, profile, gap_s=0.0009, gap_wait_s=0.0004)
+    scales, cached = check_scales(target, profile)
+    cal = model.calibrate(model.spec(target), target, scales, "machine check", cached)
+    assert cal.serving_step_s == pytest.approx(0.0005)  # the gap's own work; its wait is the host's sharing
+    assert cal.decode_fixed_scale == pytest.approx(truth.decode_fixed_scale, rel=0.03)
+    assert cal.decode_row_scale == pytest.approx(truth.decode_row_scale, rel=0.03)
+    assert cal.prefill_scale == pytest.approx(truth.prefill_scale, rel=0.03)
+    assert cal.relay_token_s == 0.0  # the counters replace the batch probe's and idle probe's serving costs
+
+
+def test_the_batch_probe_calibrates_reports_without_counters_and_on_request(setup):
+    report, profile, model = setup
+    scenario = load_scenario(str(REPO / "loadtest/scenarios/prefix-routing-fixed.yaml"))
+    probe = Model(scenario, report, profile, poll_phases=1, serving_cost="step")  # `--serving-cost step`
+    plain = report["targets"][0]
+    assert "engine_steps" not in min(plain["points"], key=lambda q: q["rate"])  # committed before the counters
+    scales, cached = check_scales(plain, profile)
+    spec = model.spec(plain)
+    cal = model.calibrate(spec, plain, scales, "machine check", cached)
+    assert cal == probe.calibrate(spec, plain, scales, "machine check", cached)
+    assert (cal.decode_fixed_scale, cal.prefill_scale) == (scales[1], scales[0])
+    target, _ = countered(plain, model, profile, gap_s=0.0009, gap_wait_s=0.0004)
+    assert probe.calibrate(spec, target, scales, "machine check", cached) == cal  # the counters left unread
