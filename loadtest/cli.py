@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 CORE_SHARING = ("step", "continuous")  # pdserve.sim.config.CORE_SHARING (not imported: the CLI starts light)
-SERVING_COSTS = ("counters", "step", "relay")  # pdserve.loadtest.validate: the serving layer's decode time, per step or per row
+SERVING_COSTS = ("counters", "step", "relay")
+WAKE_WAIT = ("measured", "off")  # pdserve.loadtest.validation_model: the counters' wake-up wait, or none  # pdserve.loadtest.validate: the serving layer's decode time, per step or per row
 POLL_PHASES = 8  # pdserve.loadtest.validation_model.POLL_PHASES
 MID_STEP_ARRIVALS = ("report", "counted", "unseen")  # pdserve.loadtest.validation_model.MID_STEP_ARRIVALS
 
@@ -140,6 +141,9 @@ def parser() -> argparse.ArgumentParser:
     validate.add_argument("--mid-step-arrivals", choices=MID_STEP_ARRIVALS, default=MID_STEP_ARRIVALS[0],
                           help="whether the engines' stats showed a request waiting for a step in flight: as the "
                                "report's code did (default), or a what-if either way")
+    validate.add_argument("--wake-wait", choices=WAKE_WAIT, default=WAKE_WAIT[0],
+                          help="with step counters: a woken step thread's wait for a busy host's cores, as the "
+                               "counters measured it in the gaps between steps, or a what-if without it")
     validate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     ratio = sub.add_parser("ratio", help="one target's goodput over the others' across a scenario's repeated "
                            "live runs: per run, pooled, and a 90%% interval (pdserve.loadtest.goodput_ratio)")
@@ -273,7 +277,8 @@ def validate_main(args: argparse.Namespace) -> int:
 
     print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write, args.serving_cores,
                               args.replica_threads, args.serving_cost, args.core_sharing,
-                              args.poll_phases, args.contention, args.noise_ceiling, args.mid_step_arrivals)))
+                              args.poll_phases, args.contention, args.noise_ceiling, args.mid_step_arrivals,
+                              args.wake_wait)))
     return 0
 
 

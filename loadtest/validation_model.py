@@ -53,13 +53,15 @@ class Model:
     def __init__(self, scenario: Scenario, report: dict[str, Any], profile: LatencyProfile,
                  serving_cores: float = 0.0, serving_cost: str = "counters", core_sharing: str = "step",
                  poll_phases: int = POLL_PHASES, oversubscribed: tuple[float, float] = (1.0, 1.0),
-                 mid_step_arrivals: str = "report") -> None:
+                 mid_step_arrivals: str = "report", wake_wait: str = "measured") -> None:
         if serving_cost not in ("counters", "step", "relay"):
             raise ValueError(f"serving cost {serving_cost!r}: 'counters' (the engines' step counters), 'step' "
                              "(the batch probe) or 'relay' (the idle probe)")
         if poll_phases < 1:
             raise ValueError(f"--poll-phases {poll_phases}: at least 1")
-        self.poll_phases, self.oversubscribed = poll_phases, oversubscribed
+        if wake_wait not in ("measured", "off"):
+            raise ValueError(f"wake wait {wake_wait!r}: 'measured' or 'off'")
+        self.poll_phases, self.oversubscribed, self.wake_wait = poll_phases, oversubscribed, wake_wait
         self.count_arriving = counts_arriving(report, mid_step_arrivals)
         self.profile, self.report, self.serving_cost = profile, report, serving_cost
         self.core_sharing = core_sharing  # ClusterSpec.core_sharing: "step" or "continuous"
@@ -171,7 +173,15 @@ class Model:
         k_decode = cpu(live, False) / cpu(simulated, False) if cpu(simulated, False) > 0 and cpu(live, False) > 0 else 1.0
         k_prefill = cpu(live, True) / cpu(simulated, True) if cpu(simulated, True) > 0 and cpu(live, True) > 0 else 1.0
         cached = None if cal.prefill_cached_scale is None else cal.prefill_cached_scale * k_prefill
-        return dataclasses.replace(cal, serving_step_s=max(0.0, serving), decode_fixed_scale=cal.decode_fixed_scale * k_decode,
+        # the gaps' wait for a core, over the share of its steps' time the stepping threads waited for one: what
+        # a woken thread waits where every core is taken (ClusterSpec.wake_wait_s)
+        wall = sum(r["step_s"] for r in live.values())
+        waited = sum(r.get("step_wait_s", 0.0) for r in live.values()) / wall if wall > 0 else 0.0
+        gap_wait = sum(r.get("gap_wait_s", 0.0) for r in live.values()) / gaps if gaps else 0.0
+        wake = gap_wait / waited if waited > 0.02 and self.wake_wait == "measured" else 0.0  # an idle host's few
+        # waits say nothing of a busy one
+        return dataclasses.replace(cal, serving_step_s=max(0.0, serving), wake_wait_s=wake,
+                                   decode_fixed_scale=cal.decode_fixed_scale * k_decode,
                                    decode_row_scale=cal.decode_row_scale * k_decode,
                                    prefill_scale=cal.prefill_scale * k_prefill, prefill_cached_scale=cached)
 

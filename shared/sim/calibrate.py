@@ -59,6 +59,7 @@ class Calibration:
     off_step_cpu_token_s: float = 0.0  # a replica's CPU per token outside its steps (pdserve.sim.host)
     serving_cpu_token_s: float = 0.0  # the host's CPU per token outside the replicas (proxy, router, client)
     background_cores: float = 0.0  # what the host burns with no load (Ray, Serve, idle loops), in cores
+    wake_wait_s: float = 0.0  # ClusterSpec.wake_wait_s: a woken step thread's wait for a busy host's cores
     source: str = "none"  # where the scales came from
     prefill_cached_scale: float | None = None  # the prefill's n x cached term; None: prefill_scale
 
@@ -69,15 +70,15 @@ class Calibration:
         if self.prefill_cached_scale is not None and not self.prefill_cached_scale > 0:
             raise ValueError(f"prefill_cached_scale must be > 0, got {self.prefill_cached_scale}")
         for name in ("serving_ttft_s", "serving_ttft_token_s", "relay_token_s", "serving_step_s",
-                     "off_step_cpu_token_s", "serving_cpu_token_s", "background_cores"):
+                     "off_step_cpu_token_s", "serving_cpu_token_s", "background_cores", "wake_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def spec(self, spec: ClusterSpec) -> ClusterSpec:
-        """The cluster with the off-step, serving and background CPU on its shared cores."""
+        """The cluster with the off-step, serving and background CPU on its shared cores, and the wake-up wait."""
         return dataclasses.replace(spec, off_step_cpu_token_s=self.off_step_cpu_token_s,
                                    serving_cpu_token_s=self.serving_cpu_token_s,
-                                   background_cores=self.background_cores)
+                                   background_cores=self.background_cores, wake_wait_s=self.wake_wait_s)
 
     def model(self, m: LatencyModel) -> LatencyModel:
         p, d, s = m.prefill, m.decode, self.prefill_scale

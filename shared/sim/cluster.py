@@ -250,7 +250,8 @@ class Simulation:
         replica.cpu_s += replica.step_cpu
         replica.batch, replica.step_start = batch, self.now
         if self.cores is None:
-            engine.busy_until = self.now + profiled * self._sharing(replica, batch)
+            slowdown = self._sharing(replica, batch)
+            engine.busy_until = self.now + self.spec.wake_wait_s * (1.0 - 1.0 / slowdown) + profiled * slowdown
             replica.step_version += 1
             self._push(engine.busy_until, STEP, (replica, replica.step_version))
         else:

@@ -87,6 +87,10 @@ class ClusterSpec:
     # "step" sharing, while the busy replicas' threads exceed num_cores: a step's slow-down beyond the fair
     # share, (a step with a prefill, a decode-only step), as measured (pdserve.loadtest.contention)
     oversubscribed_scale: tuple[float, float] = (1.0, 1.0)
+    # "step" sharing: the thread woken for a replica's next step waits this long for a core where every core
+    # is taken, so each step starts wake_wait_s x (1 - 1/slow-down) late: the share of time a runnable thread
+    # waits under processor sharing (pdserve.engine.step_clock measures the live gaps' wait)
+    wake_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -99,7 +103,7 @@ class ClusterSpec:
             raise ValueError(f"core_sharing must be one of {CORE_SHARING}, got {self.core_sharing!r}")
         if self.num_cores is not None and not self.num_cores > 0:
             raise ValueError(f"num_cores must be > 0, got {self.num_cores}")
-        for name in ("off_step_cpu_token_s", "serving_cpu_token_s", "background_cores"):
+        for name in ("off_step_cpu_token_s", "serving_cpu_token_s", "background_cores", "wake_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if len(self.oversubscribed_scale) != 2 or not all(s > 0 for s in self.oversubscribed_scale):

@@ -163,6 +163,26 @@ def test_steps_sharing_too_few_cores_take_more_wall_than_cpu(profile):
     assert sim.step_seconds()["prefill"]["num_steps"] == 0
 
 
+def test_a_woken_step_waits_for_a_core_only_where_the_cores_are_taken(profile):
+    """wake_wait_s: each step starts wake_wait_s x (1 - 1/slow-down) late; two replicas on one core slow each
+    other about 2x, so about half of it; alone on its own core a step never waits."""
+    requests = [SimRequest(0, 0.0, 16, 200), SimRequest(1, 0.0, 16, 200)]
+
+    def wall(cores, wake):
+        spec = ClusterSpec(mode="colocated", num_decode=2, num_cores=cores, wake_wait_s=wake,
+                           router=RouterSpec(placement=PlacementConfig(policy="round_robin")))
+        sim = Simulation(spec, profile, requests)
+        sim.run()
+        return sim.step_seconds()["decode"]["step_s"]
+
+    assert wall(2.0, 0.004) == pytest.approx(wall(2.0, 0.0))  # a core each: never all taken
+    assert wall(None, 0.004) == pytest.approx(wall(None, 0.0))
+    extra = (wall(1.0, 0.004) - wall(1.0, 0.0)) / 400  # per step
+    assert 0.0015 < extra < 0.0025
+    with pytest.raises(ValueError, match="wake_wait_s"):
+        ClusterSpec(wake_wait_s=-1.0)
+
+
 def test_off_step_work_takes_cores_from_the_steps(profile):
     """One one-thread replica on one core: a request's decode steps slow by the off-step load the
     tokens of the last second put on that core; with no off-step cost (or cores of its own) they do not."""

@@ -34,7 +34,8 @@ def check_scales(target: dict, profile) -> tuple[tuple[float, float, float], flo
     return scales, cached_prefill_scale(check, profile, scales[0])
 
 
-def countered(target: dict, model: Model, profile, gap_s: float, gap_wait_s: float) -> tuple[dict, Calibration]:
+def countered(target: dict, model: Model, profile, gap_s: float, gap_wait_s: float,
+              step_wait_share: float = 0.0) -> tuple[dict, Calibration]:
     """The target as if its engines stepped K_DECODE and K_PREFILL times the machine check's time and each gap
     between steps took `gap_s`, `gap_wait_s` of it waiting for a core: the counters its lowest point would give."""
     target = copy.deepcopy(target)
@@ -44,7 +45,7 @@ def countered(target: dict, model: Model, profile, gap_s: float, gap_wait_s: flo
     low = min(target["points"], key=lambda q: q["rate"])
     _, _, steps = model.simulate(model.spec(target), truth, low["rate"])
     low["engine_steps"] = {
-        role: {**s, "replicas": 3, "step_wait_s": 0.0, "num_gaps": s["num_steps"] - 1,
+        role: {**s, "replicas": 3, "step_wait_s": step_wait_share * s["step_s"], "num_gaps": s["num_steps"] - 1,
                "gap_s": gap_s * (s["num_steps"] - 1), "gap_wait_s": gap_wait_s * (s["num_steps"] - 1)}
         for role, s in steps.items() if s["num_steps"]}
     return target, truth
@@ -61,6 +62,22 @@ def test_the_steps_speed_and_the_gaps_work_are_calibrated_back(setup, target_ind
     assert cal.decode_row_scale == pytest.approx(truth.decode_row_scale, rel=0.03)
     assert cal.prefill_scale == pytest.approx(truth.prefill_scale, rel=0.03)
     assert cal.relay_token_s == 0.0  # the counters replace the batch probe's and idle probe's serving costs
+    assert cal.wake_wait_s == 0.0  # the steps never waited for a core: the gaps' waits say nothing of a busy host
+
+
+@pytest.mark.parametrize("wake_wait", ["measured", "off"])
+def test_the_wake_up_wait_is_the_gaps_wait_over_the_steps_share_of_waiting(setup, wake_wait):
+    report, profile, _ = setup
+    model = Model(load_scenario(str(REPO / "loadtest/scenarios/prefix-routing-fixed.yaml")), report, profile,
+                  poll_phases=1, wake_wait=wake_wait)
+    target, _ = countered(report["targets"][1], model, profile, gap_s=0.0009, gap_wait_s=0.0004, step_wait_share=0.2)
+    scales, cached = check_scales(target, profile)
+    cal = model.calibrate(model.spec(target), target, scales, "machine check", cached)
+    assert cal.wake_wait_s == (pytest.approx(0.002) if wake_wait == "measured" else 0.0)
+    assert cal.serving_step_s == pytest.approx(0.0005)
+    with pytest.raises(ValueError, match="wake wait"):
+        Model(load_scenario(str(REPO / "loadtest/scenarios/prefix-routing-fixed.yaml")), report, profile,
+              wake_wait="sometimes")
 
 
 def test_the_batch_probe_calibrates_reports_without_counters_and_on_request(setup):
