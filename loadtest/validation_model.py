@@ -157,13 +157,17 @@ class Model:
     def from_step_counters(self, spec: ClusterSpec, cal: Calibration, rate: float,
                            live: dict[str, dict[str, float]]) -> Calibration:
         """From the live engines' step counters at `rate` (pdserve.loadtest.engine_steps): `serving_step_s`, the
-        time between consecutive steps that was not a wait for a core, per gap (the engine loop's hand-offs and
-        the streams' work; the simulator adds it to each decode step, where the host's sharing stretches it
-        again); and the decode and prefill scales times the live steps' CPU over the simulator's for the same
-        point (decode-only steps, and steps that carried prompt tokens), which sets the profile's speed to the
-        replicas' own under the run's load rather than an engine's alone in the machine check."""
-        gaps = sum(r.get("num_gaps", 0) for r in live.values())
-        serving = sum(r["gap_s"] - r.get("gap_wait_s", 0.0) for r in live.values()) / gaps if gaps else 0.0
+        time between the decode engines' consecutive steps that was not a wait for a core, per gap (the engine
+        loop's hand-offs and the streams' work; the simulator adds it to each decode step, where the host's
+        sharing stretches it again); `wake_wait_s`, those gaps' wait for a core over the share of the steps'
+        time spent waiting for one; and the decode and prefill scales times the live steps' CPU over the
+        simulator's for the same point (decode-only steps, and steps that carried prompt tokens), which sets the
+        profile's speed to the replicas' own under the run's load rather than an engine's alone in the
+        machine check."""
+        # the gaps of the decode role's engines (a prefill engine's can include waits for a handoff's pull)
+        decoding = {"decode": live["decode"]} if "decode" in live else live
+        gaps = sum(r.get("num_gaps", 0) for r in decoding.values())
+        serving = sum(r["gap_s"] - r.get("gap_wait_s", 0.0) for r in decoding.values()) / gaps if gaps else 0.0
         _, _, simulated = self.simulate(spec, dataclasses.replace(cal, serving_step_s=0.0), rate)
 
         def cpu(steps: Mapping[str, Mapping[str, float]], prefill: bool) -> float:
@@ -175,9 +179,9 @@ class Model:
         cached = None if cal.prefill_cached_scale is None else cal.prefill_cached_scale * k_prefill
         # the gaps' wait for a core, over the share of its steps' time the stepping threads waited for one: what
         # a woken thread waits where every core is taken (ClusterSpec.wake_wait_s)
-        wall = sum(r["step_s"] for r in live.values())
-        waited = sum(r.get("step_wait_s", 0.0) for r in live.values()) / wall if wall > 0 else 0.0
-        gap_wait = sum(r.get("gap_wait_s", 0.0) for r in live.values()) / gaps if gaps else 0.0
+        wall = sum(r["step_s"] for r in decoding.values())
+        waited = sum(r.get("step_wait_s", 0.0) for r in decoding.values()) / wall if wall > 0 else 0.0
+        gap_wait = sum(r.get("gap_wait_s", 0.0) for r in decoding.values()) / gaps if gaps else 0.0
         wake = gap_wait / waited if waited > 0.02 and self.wake_wait == "measured" else 0.0  # an idle host's few
         # waits say nothing of a busy one
         return dataclasses.replace(cal, serving_step_s=max(0.0, serving), wake_wait_s=wake,
