@@ -75,12 +75,14 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "max_measured_spread": max(spreads, default=0.0), "repetitions": len(runs), "figures": figures,
         "grid_figures": grid,
         "runs": [{k: r.get(k) for k in ("report", "report_commit", "max_abs_rel_error", "num_within_target",
-                                         "calibration", "replica_cpu_model_share", "host_cpu_model_share")}
+                                         "calibration", "replica_cpu_model_share", "host_cpu_model_share",
+                                         "engine_steps")}
                  for r in runs],
         "profile": runs[0].get("profile"), "seed": runs[0].get("seed"), "num_cores": runs[0].get("num_cores"),
         "serving_cores": runs[0].get("serving_cores"), "serving_cost": runs[0].get("serving_cost"),
         "core_sharing": runs[0].get("core_sharing"), "poll_phases": runs[0].get("poll_phases"),
         "contention": runs[0].get("contention"), "stats_count_arriving": runs[0].get("stats_count_arriving"),
+        "wake_wait": runs[0].get("wake_wait"),
         "replica_thread_factors": runs[0].get("replica_thread_factors"),
     }
 
