@@ -8,11 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-from pdserve.loadtest.validate import load_scenario
 from pdserve.loadtest.validation_model import Model
 from pdserve.sim.calibrate import Calibration, cached_prefill_scale, scales_from_machine
 from pdserve.sim.config import SimRequest
-from pdserve.sim.scenario import cached_ttft, idle_latency, load_profile
+from pdserve.sim.scenario import cached_ttft, idle_latency
 
 REPO = Path(__file__).resolve().parents[3]
 REPORT = REPO / "loadtest/results/prefix-routing-fixed/run-1/summary.json"
@@ -20,12 +19,8 @@ FIXED_S, PER_TOKEN_S = 0.008, 5e-6
 
 
 @pytest.fixture(scope="module")
-def setup():
-    report = json.loads(REPORT.read_text())
-    profile = load_profile(str(REPO / report["machine"][0]["profile_path"]))
-    model = Model(load_scenario(str(REPO / "loadtest/scenarios/prefix-routing-fixed.yaml")), report, profile,
-                  poll_phases=1)
-    return report, profile, model
+def setup(prefix_routing_run):
+    return prefix_routing_run
 
 
 def probed(report: dict, model: Model, profile, target_index: int) -> tuple[dict, Calibration, float]:

@@ -5,27 +5,20 @@ a report built from known steps is calibrated back to them."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
 from pdserve.loadtest.validate import load_scenario
 from pdserve.loadtest.validation_model import Model
 from pdserve.sim.calibrate import Calibration, cached_prefill_scale, scales_from_machine
-from pdserve.sim.scenario import load_profile
 
 REPO = Path(__file__).resolve().parents[3]
-REPORT = REPO / "loadtest/results/prefix-routing-fixed/run-1/summary.json"
 K_DECODE, K_PREFILL = 1.3, 0.85
 
 
 @pytest.fixture(scope="module")
-def setup():
-    report = json.loads(REPORT.read_text())
-    profile = load_profile(str(REPO / report["machine"][0]["profile_path"]))
-    model = Model(load_scenario(str(REPO / "loadtest/scenarios/prefix-routing-fixed.yaml")), report, profile,
-                  poll_phases=1)
-    return report, profile, model
+def setup(prefix_routing_run):
+    return prefix_routing_run
 
 
 def check_scales(target: dict, profile) -> tuple[tuple[float, float, float], float | None]:
