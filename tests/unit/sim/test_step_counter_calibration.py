@@ -5,6 +5,7 @@ a report built from known steps is calibrated back to them."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,25 @@ def test_the_batch_probe_calibrates_reports_without_counters_and_on_request(setu
     assert (cal.decode_fixed_scale, cal.prefill_scale) == (scales[1], scales[0])
     target, _ = countered(plain, model, profile, gap_s=0.0009, gap_wait_s=0.0004)
     assert probe.calibrate(spec, target, scales, "machine check", cached) == cal  # the counters left unread
+
+
+def test_the_committed_counters_give_a_sub_millisecond_gap_and_a_wake_up_wait_of_a_few(setup):
+    """prefix-routing-fixed's runs with the counters (step-counters/): what the calibration found in them, and
+    the simulator's steps at the lowest rate beside the live ones."""
+    _, profile, _ = setup
+    scenario = load_scenario(str(REPO / "loadtest/scenarios/prefix-routing-fixed.yaml"))
+    for run in (1, 2, 3):
+        path = REPO / f"loadtest/results/prefix-routing-fixed/step-counters/run-{run}/summary.json"
+        report = json.loads(path.read_text())
+        model = Model(scenario, report, profile, poll_phases=1)
+        for target in report["targets"]:
+            low = min(target["points"], key=lambda q: q["rate"])
+            live = low["engine_steps"]["decode"]
+            assert live["replicas"] == 3 and live["step_cpu_s"] + live["step_wait_s"] <= live["step_s"] * 1.01
+            scales, cached = check_scales(target, profile)
+            spec = model.spec(target)
+            cal = model.calibrate(spec, target, scales, "machine check", cached)
+            assert 0.0002 < cal.serving_step_s < 0.001 and 0.001 < cal.wake_wait_s < 0.004
+            _, _, steps = model.simulate(spec, cal, low["rate"])
+            assert steps["decode"]["num_steps"] == pytest.approx(live["num_steps"], rel=0.1)
+            assert steps["decode"]["step_cpu_s"] == pytest.approx(live["step_cpu_s"], rel=0.2)
