@@ -6,9 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-STEP_FIELDS = ("num_steps", "step_s", "step_cpu_s", "num_prefill_steps", "prefill_step_s", "prefill_step_cpu_s")
-
-
 @dataclass
 class StepLedger:
     num_steps: int = 0
@@ -33,7 +30,7 @@ class StepLedger:
 
 def summed(ledgers: list[tuple[str, StepLedger]]) -> dict[str, dict[str, float]]:
     """Role -> its replicas' ledgers, summed (both roles, at 0 where none)."""
-    out = {role: dict.fromkeys(STEP_FIELDS, 0.0) for role in ("prefill", "decode")}
+    out = {role: dict.fromkeys(StepLedger().to_dict(), 0.0) for role in ("prefill", "decode")}
     for role, ledger in ledgers:
         for name, value in ledger.to_dict().items():
             out[role][name] += value
