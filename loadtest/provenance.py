@@ -42,7 +42,11 @@ def _memory_gib() -> float | None:
 # what the code that ran does, where a model of the run must know it (pdserve.loadtest.validation_model):
 # engines count a request in their stats while it waits for a step in flight to end (commit 302a9c5)
 STATS_COUNT_ARRIVING = "stats_count_arriving"
-FEATURES = (STATS_COUNT_ARRIVING,)
+# the router hands a long prompt's KV to decode in parts while it is prefilled (kv_part_tokens, commit fcd3b0e);
+# reports from before features were listed ran it from KV_PARTS_SINCE on
+KV_PARTS = "kv_parts"
+KV_PARTS_SINCE = "2026-11-26 22:21 UTC"
+FEATURES = (STATS_COUNT_ARRIVING, KV_PARTS)
 
 
 def provenance() -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 from pdserve.latency_model import LatencyProfile
 from pdserve.loadtest.batch_probe import BatchProbe
 from pdserve.loadtest.evaluate import PROBE_SEED
-from pdserve.loadtest.provenance import STATS_COUNT_ARRIVING
+from pdserve.loadtest.provenance import KV_PARTS, KV_PARTS_SINCE, STATS_COUNT_ARRIVING
 from pdserve.loadtest.runner import LoadConfig
 from pdserve.loadtest.scenario import Scenario
 from pdserve.loadtest.slo import SLO
@@ -47,6 +47,13 @@ def counts_arriving(report: dict[str, Any], mid_step_arrivals: str = "report") -
     return STATS_COUNT_ARRIVING in ((report.get("provenance") or {}).get("features") or ())
 
 
+def hands_kv_in_parts(report: dict[str, Any]) -> bool:
+    """Whether the run's router handed long prompts' KV to decode in parts (pdserve.sim.handoff): runs that
+    name the feature, and runs dated from when it landed (the date format sorts as text)."""
+    provenance = report.get("provenance") or {}
+    return KV_PARTS in (provenance.get("features") or ()) or str(provenance.get("date") or "") >= KV_PARTS_SINCE
+
+
 class Model:
     """One scenario's simulated runs: the report's configuration, a calibration per target."""
 
@@ -63,6 +70,7 @@ class Model:
             raise ValueError(f"wake wait {wake_wait!r}: 'measured' or 'off'")
         self.poll_phases, self.oversubscribed, self.wake_wait = poll_phases, oversubscribed, wake_wait
         self.count_arriving = counts_arriving(report, mid_step_arrivals)
+        self.kv_parts = hands_kv_in_parts(report)
         self.profile, self.report, self.serving_cost = profile, report, serving_cost
         self.core_sharing = core_sharing  # ClusterSpec.core_sharing: "step" or "continuous"
         self.work: Workload = workload(report["workload"])
@@ -80,13 +88,14 @@ class Model:
         self.num_cores = self.host_cores - serving_cores if self.host_cores else None
 
     def spec(self, target: dict[str, Any]) -> ClusterSpec:
-        """The target's system on the report's host (every replica shares its cores), its engines' stats as
-        the run's code kept them."""
+        """The target's system on the report's host (every replica shares its cores), its engines' stats and
+        its router's KV handoff as the run's code kept them."""
         spec = cluster_spec(target["system"], self.profile)
         engines = {role: dataclasses.replace(getattr(spec, role), stats_count_arriving=self.count_arriving)
                    for role in ("prefill", "decode")}
-        return dataclasses.replace(spec, **engines, num_cores=self.num_cores, core_sharing=self.core_sharing,
-                                   oversubscribed_scale=self.oversubscribed)
+        router = spec.router if self.kv_parts else dataclasses.replace(spec.router, kv_part_tokens=None)
+        return dataclasses.replace(spec, **engines, router=router, num_cores=self.num_cores,
+                                   core_sharing=self.core_sharing, oversubscribed_scale=self.oversubscribed)
 
     def point(self, spec: ClusterSpec, cal: Calibration, rate: float) -> dict[str, Any]:
         return self.simulate(spec, cal, rate)[0]

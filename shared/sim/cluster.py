@@ -4,9 +4,10 @@ engine steps, KV handoffs, and (optionally) an autoscaler adding and draining re
 Routers: request i goes to router i mod n. Each router polls every replica's stats every poll_s (the
 routers' polls are staggered over the period, at `poll_phase` against the arrivals) and places with
 `create_policy` on those snapshots plus its own pending placements (pdserve.placement.pending, as the
-live placer does). Disaggregated: the request queues on its prefill replica; when its prompt is done its
-KV moves for `kv_transfer_s` (its prefill blocks held until then), its first token reaches the client at
-the end of the transfer, and it joins the decode replica. Without a prefill replica in the placement, the
+live placer does). Disaggregated: the request queues on its prefill replica (in chunks of a KV part where
+the router hands the KV over in parts, pdserve.sim.handoff); when its prompt is done its first token reaches
+the client, what is left of its KV moves for `kv_transfer_s` (its prefill blocks held until then), and it
+joins the decode replica. Without a prefill replica in the placement, the
 decode replica prefills it locally. A draining replica takes no new placement and leaves once it holds no
 work (nothing is lost).
 """
@@ -24,6 +25,7 @@ from pdserve.placement.pending import PendingPlacements
 from pdserve.placement.policy import PlacementRequest, Rejection, create_policy
 from pdserve.sim.config import ClusterSpec, SimRequest
 from pdserve.sim.engine import Batch, Engine, SimSeq
+from pdserve.sim.handoff import Handoff, plan_handoff
 from pdserve.sim.host import OffStepLoad, SharedCores
 from pdserve.sim.replica import Replica
 from pdserve.sim.results import RequestRecord
@@ -63,6 +65,7 @@ class Simulation:
         self._ids = {"prefill": itertools.count(), "decode": itertools.count()}
         self._records_by_seq: dict[int, RequestRecord] = {}
         self._targets: dict[int, Replica] = {}  # prefilling sequence -> its decode replica
+        self._handoffs: dict[int, Handoff] = {}  # prefilling sequence -> how its KV moves
         colocated = spec.mode == "colocated"
         router = spec.router
         prefill_model = profile.for_role("prefill")
@@ -191,9 +194,15 @@ class Simulation:
             prefill = by_id.get(placement.prefill_replica or "") or self._pick("prefill")
         self.pendings[k].record_placement(placement, request, decode.engine.spec.block_size, req.index)
         seq_owner = prefill or decode
-        seq = seq_owner.engine.add(req, placement.prefill_chunk_tokens)
+        handoff = Handoff(placement.prefill_chunk_tokens)
+        if prefill is not None:
+            handoff = plan_handoff(router.kv_part_tokens, placement.prefill_chunk_tokens,
+                                   placement.decode_replica is not None, req.prompt_tokens,
+                                   prefill.engine.spec.block_size)
+        seq = seq_owner.engine.add(req, handoff.max_prefill_chunk)
         self._records_by_seq[id(seq)] = record
         if prefill is not None:
+            self._handoffs[id(seq)] = handoff
             record.prefill_replica = prefill.replica_id
             self._targets[id(seq)] = decode
             decode.num_inbound += 1
@@ -273,7 +282,8 @@ class Simulation:
         replica.cpu_s += outcome.num_tokens * self.spec.off_step_cpu_token_s
         for seq in outcome.prefilled:
             replica.num_held += 1
-            tokens = seq.request.prompt_tokens
+            seq.first_token_s = self._records_by_seq[id(seq)].first_token_s = self.now
+            tokens = self._handoffs.pop(id(seq)).tail_tokens(seq.request.prompt_tokens)
             transfer = self.transfer_model.kv_transfer_s(tokens, self.spec.transport) if self.transfer_model else 0.0
             self._push(self.now + transfer, TRANSFER, (replica, seq))
         for seq in outcome.finished:
@@ -289,12 +299,9 @@ class Simulation:
         source.num_held -= 1
         target = self._targets.pop(id(seq))
         target.num_inbound -= 1
-        record = self._records_by_seq[id(seq)]
-        seq.first_token_s = self.now
-        record.first_token_s = self.now
         done = 0
         if seq.is_finished:
-            seq.finish_s = self.now
+            seq.finish_s = seq.first_token_s
             self._finish(seq)
             done = 1
         else:

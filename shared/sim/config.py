@@ -49,10 +49,15 @@ class RouterSpec:
     # where the polls fall against the arrivals, in [0, 1) of a poll period: router k first polls at
     # (k + poll_phase) / num_routers periods (a live router's timer starts at an arbitrary moment)
     poll_phase: float = 0.0
+    # a disaggregated prompt longer than this is prefilled in chunks of this many tokens and its KV handed over
+    # in parts as they are computed (the router's kv_part_tokens, pdserve.sim.handoff); None: in one piece
+    kv_part_tokens: int | None = 256
 
     def __post_init__(self) -> None:
         if self.num_routers < 1 or self.pending_grace_s < 0:
             raise ValueError("num_routers >= 1 and pending_grace_s >= 0")
+        if self.kv_part_tokens is not None and self.kv_part_tokens < 1:
+            raise ValueError(f"kv_part_tokens must be >= 1 or None, got {self.kv_part_tokens}")
         if not 0.0 <= self.poll_phase < 1.0:
             raise ValueError(f"poll_phase must be in [0, 1), got {self.poll_phase}")
 

@@ -27,7 +27,7 @@ from pdserve.sim.workload import requests_for
 # the worker's 128 MiB of float16 KV (its CPU default) holds as many tokens as 256 MiB at the float32
 # bytes per token of the committed CPU profiles
 KV_MEMORY_BYTES = 256 << 20
-ROUTER_SLO_TTFT_S, ROUTER_SLO_TPOT_S, ROUTER_MIN_PROMPT = 2.0, 0.2, 32
+ROUTER_SLO_TTFT_S, ROUTER_SLO_TPOT_S, ROUTER_MIN_PROMPT, ROUTER_KV_PART_TOKENS = 2.0, 0.2, 32, 256
 
 
 def load_profile(path: str | Path) -> LatencyProfile:
@@ -64,7 +64,8 @@ def cluster_spec(system: dict[str, Any], profile: LatencyProfile) -> ClusterSpec
         router=RouterSpec(num_routers=int(router.get("num_replicas", 1)), placement=placement,
                           ttft_slo_s=float(router.get("slo_ttft_s", ROUTER_SLO_TTFT_S)),
                           tpot_slo_s=float(router.get("slo_tpot_s", ROUTER_SLO_TPOT_S)),
-                          has_profile=bool(router.get("profile_path") or router.get("profile"))),
+                          has_profile=bool(router.get("profile_path") or router.get("profile")),
+                          kv_part_tokens=router.get("kv_part_tokens", ROUTER_KV_PART_TOKENS)),
         transport=system.get("transport", "ucx"))
 
 

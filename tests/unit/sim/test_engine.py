@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from pdserve.placement.policy import PlacementConfig
 from pdserve.sim import ClusterSpec, EngineSpec, RouterSpec, SimRequest, Simulation
 from pdserve.sim.engine import Engine
@@ -15,13 +18,48 @@ def one(spec: ClusterSpec, profile, prompt: int, output: int):
     return record
 
 
-def test_a_single_disaggregated_request_waits_prefill_plus_transfer(profile):
-    model = profile.for_role("prefill")
-    spec = ClusterSpec(router=ROUND_ROBIN)
+def test_a_single_disaggregated_request_gets_its_first_token_at_the_prefill_end_and_decodes_after_the_transfer(profile):
+    model, decode = profile.for_role("prefill"), profile.for_role("decode")
+    spec = ClusterSpec(router=dataclasses.replace(ROUND_ROBIN, kv_part_tokens=None))  # the whole KV after prefill
     record = one(spec, profile, 1000, 8)
     assert record.prefill_replica == "prefill-000" and record.decode_replica == "decode-000"
-    expected = model.prefill_time_s(1000) + model.kv_transfer_s(1000, "ucx")
-    assert abs(record.ttft_s - expected) < 1e-12
+    assert abs(record.ttft_s - model.prefill_time_s(1000)) < 1e-12
+    steps = sum(decode.decode_step_s(1, 1001 + j) for j in range(7))
+    assert abs(record.finish_s - record.first_token_s - model.kv_transfer_s(1000, "ucx") - steps) < 1e-12
+
+
+def test_a_long_prompt_is_prefilled_in_kv_parts_and_only_its_tail_moves_after(profile):
+    """The router's kv_part_tokens (256, live default): chunks of one part, parts leave as they are computed;
+    the first token comes at the last chunk's end and only the 232 tokens after the third part move then."""
+    model, decode = profile.for_role("prefill"), profile.for_role("decode")
+    record = one(ClusterSpec(router=ROUND_ROBIN), profile, 1000, 8)
+    chunks = [(256, 0), (256, 256), (256, 512), (232, 768)]  # (new tokens, computed before)
+    assert abs(record.ttft_s - sum(model.prefill_time_s(n, c) for n, c in chunks)) < 1e-12
+    steps = sum(decode.decode_step_s(1, 1001 + j) for j in range(7))
+    assert abs(record.finish_s - record.first_token_s - model.kv_transfer_s(232, "ucx") - steps) < 1e-12
+    # a prompt of one part or less moves whole, in one chunk
+    short = one(ClusterSpec(router=ROUND_ROBIN), profile, 256, 2)
+    assert abs(short.ttft_s - model.prefill_time_s(256)) < 1e-12
+
+
+def test_kv_parts_follow_the_routers_rule(profile):
+    from pdserve.services.router.config import RouterConfig
+    from pdserve.engine.kv_parts import part_tokens as live_part_tokens
+    from pdserve.sim.handoff import Handoff, part_tokens, plan_handoff
+    from pdserve.sim.scenario import ROUTER_KV_PART_TOKENS
+
+    assert ROUTER_KV_PART_TOKENS == RouterConfig().kv_part_tokens == RouterSpec().kv_part_tokens
+    assert all(part_tokens(k, b) == live_part_tokens(k, b) for k in (1, 16, 100, 256, 300) for b in (1, 16, 32))
+    assert plan_handoff(256, None, True, 1000, 16) == Handoff(256, 256)
+    assert plan_handoff(250, 512, True, 1000, 16) == Handoff(256, 256)  # whole blocks
+    assert plan_handoff(256, 128, True, 1000, 16) == Handoff(128, 256)  # the placement's cap when smaller
+    assert plan_handoff(256, 128, False, 1000, 16) == Handoff(128)  # Serve's choice of decode: no parts
+    assert plan_handoff(256, None, True, 256, 16) == Handoff(None)
+    assert plan_handoff(None, None, True, 1000, 16) == Handoff(None)
+    assert [Handoff(None, 256).tail_tokens(n) for n in (257, 512, 513, 1000)] == [1, 256, 1, 232]
+    assert Handoff(None).tail_tokens(1000) == 1000
+    with pytest.raises(ValueError, match="kv_part_tokens"):
+        RouterSpec(kv_part_tokens=0)
 
 
 def test_a_single_request_decodes_at_the_batch_1_step_time(profile):
@@ -30,7 +68,8 @@ def test_a_single_request_decodes_at_the_batch_1_step_time(profile):
     record = one(ClusterSpec(router=ROUND_ROBIN), profile, prompt, output)
     # after the handoff the sequence holds prompt + 1 tokens; each step computes one more
     steps = [model.decode_step_s(1, prompt + 1 + j) for j in range(output - 1)]
-    assert abs(record.tpot_s - sum(steps) / (output - 1)) < 1e-12
+    tail = profile.for_role("prefill").kv_transfer_s(prompt - 256, "ucx")  # after one 256-token KV part
+    assert abs(record.tpot_s - (tail + sum(steps)) / (output - 1)) < 1e-12
 
 
 def test_colocated_ttft_is_the_prefill_alone(profile):

@@ -252,6 +252,27 @@ def test_a_runs_engines_stats_are_modelled_as_its_code_kept_them():
         counts_arriving({}, "sometimes")
 
 
+def test_a_runs_kv_handoff_is_modelled_as_its_router_did_it():
+    """The router hands a long prompt's KV over in parts from commit fcd3b0e on: reports naming the feature,
+    or dated from then, are simulated with parts (prefill chunks of a part); older ones whole."""
+    from pdserve.loadtest.provenance import KV_PARTS, provenance
+    from pdserve.loadtest.validate import load_scenario
+    from pdserve.loadtest.validation_model import Model, hands_kv_in_parts
+    from pdserve.sim.scenario import load_profile
+
+    assert KV_PARTS in provenance()["features"] and hands_kv_in_parts({"provenance": provenance()})
+    assert hands_kv_in_parts({"provenance": {"commit": "12283a5", "date": "2026-11-29 13:47 UTC"}})
+    assert not hands_kv_in_parts({"provenance": {"commit": "309b17d", "date": "2026-11-23 21:04 UTC"}})
+    assert not hands_kv_in_parts({})
+    scenario = load_scenario(str(REPO / "loadtest/scenarios/disagg-vs-colocated-fixed.yaml"))
+    for path, parts in (("disagg-vs-colocated-fixed/run-1", 256), ("disagg-vs-colocated", None)):
+        report = json.loads((REPO / "loadtest/results" / path / "summary.json").read_text())
+        model = Model(scenario, report, load_profile(str(REPO / "loadtest/scenarios/profiles/random-llama-h512-l4.json")),
+                      poll_phases=1)
+        target = next(t for t in report["targets"] if t["name"] == "disaggregated")
+        assert model.spec(target).router.kv_part_tokens == parts
+
+
 def test_the_clis_copies_of_the_validations_choices_match_their_modules():
     """The CLI names them without importing the simulator (it starts light); the copies must not drift."""
     from pdserve.loadtest import cli, validation_model
