@@ -117,7 +117,8 @@ def plan_main(args: argparse.Namespace) -> dict[str, Any]:
 
     profile = load_profile(args.profile) if args.profile else h100_8b_profile()
     spec = PlanSpec(gpus=args.gpus, unit_gpus=args.unit_gpus, ttft_slo_s=args.ttft_ms / 1e3,
-                    tpot_slo_s=args.tpot_ms / 1e3, window_s=args.window_s, policy=args.policy, seed=args.seed)
+                    tpot_slo_s=args.tpot_ms / 1e3, window_s=args.window_s, policy=args.policy, seed=args.seed,
+                    kv_part_tokens=args.kv_part_tokens or None)
     if args.trace:
         lengths, source = trace_lengths(load_trace(args.trace)), args.trace
     else:
@@ -181,6 +182,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--tpot-ms", type=float, default=50.0)
     pl.add_argument("--window-s", type=float, default=30.0, help="seconds of arrivals simulated per rate")
     pl.add_argument("--policy", default="least_loaded", help="placement policy")
+    pl.add_argument("--kv-part-tokens", type=int, default=256, help="the router's kv_part_tokens: a longer prompt "
+                    "is prefilled in chunks of this many tokens, its KV handed over in parts (0: whole, after)")
     pl.add_argument("--seed", type=int, default=0)
     for sp in (s, t, a, pl):
         sp.add_argument("--json", action="store_true", help="(the output is always one JSON object)")

@@ -46,6 +46,7 @@ class PlanSpec:
     # 8B bf16 on an 80 GiB H100 (docs/simulator.md), vLLM's default of 256 sequences a step
     engine: EngineSpec = field(default_factory=lambda: EngineSpec(max_num_seqs=256, num_blocks=29205))
     policy: str = "least_loaded"
+    kv_part_tokens: int | None = 256  # RouterConfig.kv_part_tokens: a long prompt's KV in parts (pdserve.sim.handoff)
     max_inflight: int = 256  # RouterConfig.max_inflight
     router_fill: float = 0.5
     redis_window_s: float = 60.0
@@ -58,6 +59,8 @@ class PlanSpec:
             raise ValueError(f"unit_gpus must be >= 2 and <= gpus, got {self.unit_gpus} and {self.gpus}")
         if not (0 < self.target <= 1 and 0 < self.router_fill <= 1):
             raise ValueError("target and router_fill must be in (0, 1]")
+        if self.kv_part_tokens is not None and self.kv_part_tokens < 1:
+            raise ValueError(f"--kv-part-tokens must be >= 0 (0: whole), got {self.kv_part_tokens}")
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0 or self.window_s <= 0 or self.min_requests < 10:
             raise ValueError("SLOs and window_s must be > 0 and min_requests >= 10")
 
@@ -105,7 +108,7 @@ def find_rate(attainment: Callable[[float], float], start: float, target: float,
 
 
 def _shapes(spec: PlanSpec) -> list[tuple[str, ClusterSpec]]:
-    router = RouterSpec(ttft_slo_s=spec.ttft_slo_s, tpot_slo_s=spec.tpot_slo_s,
+    router = RouterSpec(ttft_slo_s=spec.ttft_slo_s, tpot_slo_s=spec.tpot_slo_s, kv_part_tokens=spec.kv_part_tokens,
                         placement=PlacementConfig(policy=spec.policy, admission="queue"))
     n = spec.unit_gpus
     out = [(f"disaggregated {p}P+{n - p}D", ClusterSpec("disaggregated", p, n - p, spec.engine, spec.engine, router))
