@@ -18,6 +18,7 @@ SERVING_COSTS = ("counters", "step", "relay")
 WAKE_WAIT = ("measured", "off")  # pdserve.loadtest.validation_model: the counters' wake-up wait, or none  # pdserve.loadtest.validate: the serving layer's decode time, per step or per row
 POLL_PHASES = 8  # pdserve.loadtest.validation_model.POLL_PHASES
 MID_STEP_ARRIVALS = ("report", "counted", "unseen")  # pdserve.loadtest.validation_model.MID_STEP_ARRIVALS
+KV_PARTS = ("report", "on", "off")  # pdserve.loadtest.validation_model.KV_PARTS_CHOICES
 
 
 def length_spec(text: str) -> int | dict[str, Any]:
@@ -141,6 +142,9 @@ def parser() -> argparse.ArgumentParser:
     validate.add_argument("--mid-step-arrivals", choices=MID_STEP_ARRIVALS, default=MID_STEP_ARRIVALS[0],
                           help="whether the engines' stats showed a request waiting for a step in flight: as the "
                                "report's code did (default), or a what-if either way")
+    validate.add_argument("--kv-parts", choices=KV_PARTS, default=KV_PARTS[0],
+                          help="whether the router handed long prompts' KV to decode in parts while they were "
+                               "prefilled (kv_part_tokens): as the report's code did (default), or a what-if")
     validate.add_argument("--wake-wait", choices=WAKE_WAIT, default=WAKE_WAIT[0],
                           help="with step counters: a woken step thread's wait for a busy host's cores, as the "
                                "counters measured it in the gaps between steps, or a what-if without it")
@@ -278,7 +282,7 @@ def validate_main(args: argparse.Namespace) -> int:
     print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write, args.serving_cores,
                               args.replica_threads, args.serving_cost, args.core_sharing,
                               args.poll_phases, args.contention, args.noise_ceiling, args.mid_step_arrivals,
-                              args.wake_wait)))
+                              args.wake_wait, args.kv_parts)))
     return 0
 
 

@@ -127,7 +127,8 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
              replica_threads_n: int | None = None, serving_cost: str = "counters", core_sharing: str = "step",
              poll_phases: int = POLL_PHASES, contention: Mapping[str, float] | None = None,
              observe: Callable[[Model, dict[str, Any], ClusterSpec, Calibration], None] | None = None,
-             mid_step_arrivals: str = "report", wake_wait: str = "measured") -> dict[str, Any]:
+             mid_step_arrivals: str = "report", wake_wait: str = "measured", kv_parts: str = "report"
+             ) -> dict[str, Any]:
     """scenario name -> {max_abs_rel_error, figures: {name: {predicted, measured}}, calibration, ...}.
     `thread_factors`: the what-if of pdserve.loadtest.machine_threads, each machine check scaled by them;
     with `replica_threads_n`, only the checks of targets whose replicas all run that many threads.
@@ -139,7 +140,7 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
     profile = load_profile(path)
     oversubscribed = (contention["prefill"], contention["decode"]) if contention else (1.0, 1.0)
     model = Model(scenario, report, profile, serving_cores, serving_cost, core_sharing, poll_phases,
-                  oversubscribed, mid_step_arrivals, wake_wait)
+                  oversubscribed, mid_step_arrivals, wake_wait, kv_parts)
     targets = report["targets"]
     fitted: tuple[tuple[float, float, float], float] | None = None
     if not any(t.get("machine") for t in targets) and not report.get("machine"):

@@ -35,6 +35,7 @@ POLL_PHASES = 8
 STATS_FREE = frozenset({"round_robin"})
 FIT_SCALES = tuple(round(1.0 + 0.2 * k, 2) for k in range(11))  # 1.0 .. 3.0
 MID_STEP_ARRIVALS = ("report", "counted", "unseen")
+KV_PARTS_CHOICES = ("report", "on", "off")
 
 
 def counts_arriving(report: dict[str, Any], mid_step_arrivals: str = "report") -> bool:
@@ -47,9 +48,14 @@ def counts_arriving(report: dict[str, Any], mid_step_arrivals: str = "report") -
     return STATS_COUNT_ARRIVING in ((report.get("provenance") or {}).get("features") or ())
 
 
-def hands_kv_in_parts(report: dict[str, Any]) -> bool:
-    """Whether the run's router handed long prompts' KV to decode in parts (pdserve.sim.handoff): runs that
-    name the feature, and runs dated from when it landed (the date format sorts as text)."""
+def hands_kv_in_parts(report: dict[str, Any], kv_parts: str = "report") -> bool:
+    """Whether the run's router handed long prompts' KV to decode in parts (pdserve.sim.handoff): "report",
+    runs that name the feature and runs dated from when it landed (the date format sorts as text); "on" or
+    "off", a what-if."""
+    if kv_parts not in KV_PARTS_CHOICES:
+        raise ValueError(f"kv parts {kv_parts!r}: one of {', '.join(KV_PARTS_CHOICES)}")
+    if kv_parts != "report":
+        return kv_parts == "on"
     provenance = report.get("provenance") or {}
     return KV_PARTS in (provenance.get("features") or ()) or str(provenance.get("date") or "") >= KV_PARTS_SINCE
 
@@ -60,7 +66,7 @@ class Model:
     def __init__(self, scenario: Scenario, report: dict[str, Any], profile: LatencyProfile,
                  serving_cores: float = 0.0, serving_cost: str = "counters", core_sharing: str = "step",
                  poll_phases: int = POLL_PHASES, oversubscribed: tuple[float, float] = (1.0, 1.0),
-                 mid_step_arrivals: str = "report", wake_wait: str = "measured") -> None:
+                 mid_step_arrivals: str = "report", wake_wait: str = "measured", kv_parts: str = "report") -> None:
         if serving_cost not in ("counters", "step", "relay"):
             raise ValueError(f"serving cost {serving_cost!r}: 'counters' (the engines' step counters), 'step' "
                              "(the batch probe) or 'relay' (the idle probe)")
@@ -70,7 +76,7 @@ class Model:
             raise ValueError(f"wake wait {wake_wait!r}: 'measured' or 'off'")
         self.poll_phases, self.oversubscribed, self.wake_wait = poll_phases, oversubscribed, wake_wait
         self.count_arriving = counts_arriving(report, mid_step_arrivals)
-        self.kv_parts = hands_kv_in_parts(report)
+        self.kv_parts = hands_kv_in_parts(report, kv_parts)
         self.profile, self.report, self.serving_cost = profile, report, serving_cost
         self.core_sharing = core_sharing  # ClusterSpec.core_sharing: "step" or "continuous"
         self.work: Workload = workload(report["workload"])

@@ -91,7 +91,8 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
                   serving_cores: float = 0.0, replica_threads: int | None = None,
                   serving_cost: str = "counters", core_sharing: str = "step", poll_phases: int = POLL_PHASES,
                   contention: bool = False, noise_ceiling: bool = False,
-                  mid_step_arrivals: str = "report", wake_wait: str = "measured") -> dict[str, Any]:
+                  mid_step_arrivals: str = "report", wake_wait: str = "measured", kv_parts: str = "report"
+                  ) -> dict[str, Any]:
     """`reports`: one scenario's live reports (several: repeated runs, combined); default
     loadtest/results/<name>/run-*/summary.json, else loadtest/results/<name>/summary.json.
     `replica_threads`: the what-if of pdserve.loadtest.machine_threads, measured here per scenario's model;
@@ -124,7 +125,8 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
         for path in paths:
             observe = RunPhases() if noise_ceiling else None
             runs.append(validate(scenario, path, profile, serving_cores, factors, replica_threads, serving_cost,
-                                 core_sharing, poll_phases, slowdown, observe, mid_step_arrivals, wake_wait))
+                                 core_sharing, poll_phases, slowdown, observe, mid_step_arrivals, wake_wait,
+                                 kv_parts))
             if observe is not None:
                 observe.predicted = {k: v["predicted"] for k, v in runs[-1]["figures"].items()}
                 phased.append(observe)

@@ -182,8 +182,9 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--tpot-ms", type=float, default=50.0)
     pl.add_argument("--window-s", type=float, default=30.0, help="seconds of arrivals simulated per rate")
     pl.add_argument("--policy", default="least_loaded", help="placement policy")
-    pl.add_argument("--kv-part-tokens", type=int, default=256, help="the router's kv_part_tokens: a longer prompt "
-                    "is prefilled in chunks of this many tokens, its KV handed over in parts (0: whole, after)")
+    pl.add_argument("--kv-part-tokens", type=int, default=256,
+                    help="the router's kv_part_tokens: a longer prompt is prefilled in chunks of this many tokens, "
+                         "its KV handed over in parts (0: whole, after the prefill)")
     pl.add_argument("--seed", type=int, default=0)
     for sp in (s, t, a, pl):
         sp.add_argument("--json", action="store_true", help="(the output is always one JSON object)")

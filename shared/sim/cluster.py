@@ -194,11 +194,9 @@ class Simulation:
             prefill = by_id.get(placement.prefill_replica or "") or self._pick("prefill")
         self.pendings[k].record_placement(placement, request, decode.engine.spec.block_size, req.index)
         seq_owner = prefill or decode
-        handoff = Handoff(placement.prefill_chunk_tokens)
-        if prefill is not None:
-            handoff = plan_handoff(router.kv_part_tokens, placement.prefill_chunk_tokens,
-                                   placement.decode_replica is not None, req.prompt_tokens,
-                                   prefill.engine.spec.block_size)
+        handoff = plan_handoff(router.kv_part_tokens if prefill else None, placement.prefill_chunk_tokens,
+                               placement.decode_replica is not None, req.prompt_tokens,
+                               seq_owner.engine.spec.block_size)
         seq = seq_owner.engine.add(req, handoff.max_prefill_chunk)
         self._records_by_seq[id(seq)] = record
         if prefill is not None:

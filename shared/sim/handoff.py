@@ -1,8 +1,9 @@
-"""A disaggregated request's KV handoff as the live router and prefill engine run it (services/router/dispatch.py,
-pdserve.engine.kv_parts): a prompt longer than the router's `kv_part_tokens`, placed on a named decode replica, is
-prefilled in chunks of at most one part (whole blocks) and its KV leaves in parts as they are computed, so only
-the tail after the last part moves once the prefill is done. The first token reaches the client at the end of
-the prefill either way; the decode replica starts once the rest of the KV is in."""
+"""A disaggregated request's KV handoff as the live router and prefill engine run it
+(services/router/dispatch.py, pdserve.engine.kv_parts): a prompt longer than the router's `kv_part_tokens`,
+placed on a named decode replica, is prefilled in chunks of at most one part (whole blocks) and its KV leaves
+in parts as they are computed, so only the tail after the last part moves once the prefill is done. The first
+token reaches the client at the end of the prefill either way; the decode replica starts once the rest of the
+KV is in."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class PlanSpec:
     # 8B bf16 on an 80 GiB H100 (docs/simulator.md), vLLM's default of 256 sequences a step
     engine: EngineSpec = field(default_factory=lambda: EngineSpec(max_num_seqs=256, num_blocks=29205))
     policy: str = "least_loaded"
-    kv_part_tokens: int | None = 256  # RouterConfig.kv_part_tokens: a long prompt's KV in parts (pdserve.sim.handoff)
+    kv_part_tokens: int | None = 256  # RouterConfig.kv_part_tokens: KV in parts (pdserve.sim.handoff)
     max_inflight: int = 256  # RouterConfig.max_inflight
     router_fill: float = 0.5
     redis_window_s: float = 60.0
@@ -108,8 +108,9 @@ def find_rate(attainment: Callable[[float], float], start: float, target: float,
 
 
 def _shapes(spec: PlanSpec) -> list[tuple[str, ClusterSpec]]:
-    router = RouterSpec(ttft_slo_s=spec.ttft_slo_s, tpot_slo_s=spec.tpot_slo_s, kv_part_tokens=spec.kv_part_tokens,
-                        placement=PlacementConfig(policy=spec.policy, admission="queue"))
+    router = RouterSpec(ttft_slo_s=spec.ttft_slo_s, tpot_slo_s=spec.tpot_slo_s,
+                        placement=PlacementConfig(policy=spec.policy, admission="queue"),
+                        kv_part_tokens=spec.kv_part_tokens)
     n = spec.unit_gpus
     out = [(f"disaggregated {p}P+{n - p}D", ClusterSpec("disaggregated", p, n - p, spec.engine, spec.engine, router))
            for p in range(1, n)]

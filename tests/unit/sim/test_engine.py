@@ -18,9 +18,10 @@ def one(spec: ClusterSpec, profile, prompt: int, output: int):
     return record
 
 
-def test_a_single_disaggregated_request_gets_its_first_token_at_the_prefill_end_and_decodes_after_the_transfer(profile):
+def test_a_disaggregated_requests_first_token_comes_at_the_prefill_end_and_decode_after_the_transfer(profile):
     model, decode = profile.for_role("prefill"), profile.for_role("decode")
-    spec = ClusterSpec(router=dataclasses.replace(ROUND_ROBIN, kv_part_tokens=None))  # the whole KV after prefill
+    whole = dataclasses.replace(ROUND_ROBIN, kv_part_tokens=None)  # the whole KV moves after the prefill
+    spec = ClusterSpec(router=whole)
     record = one(spec, profile, 1000, 8)
     assert record.prefill_replica == "prefill-000" and record.decode_replica == "decode-000"
     assert abs(record.ttft_s - model.prefill_time_s(1000)) < 1e-12
@@ -49,7 +50,8 @@ def test_kv_parts_follow_the_routers_rule(profile):
     from pdserve.sim.scenario import ROUTER_KV_PART_TOKENS
 
     assert ROUTER_KV_PART_TOKENS == RouterConfig().kv_part_tokens == RouterSpec().kv_part_tokens
-    assert all(part_tokens(k, b) == live_part_tokens(k, b) for k in (1, 16, 100, 256, 300) for b in (1, 16, 32))
+    assert all(part_tokens(k, b) == live_part_tokens(k, b) for k in (1, 16, 100, 256, 300)
+               for b in (1, 16, 32))
     assert plan_handoff(256, None, True, 1000, 16) == Handoff(256, 256)
     assert plan_handoff(250, 512, True, 1000, 16) == Handoff(256, 256)  # whole blocks
     assert plan_handoff(256, 128, True, 1000, 16) == Handoff(128, 256)  # the placement's cap when smaller

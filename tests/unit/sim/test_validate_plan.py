@@ -284,11 +284,14 @@ def test_a_runs_kv_handoff_is_modelled_as_its_router_did_it():
     assert hands_kv_in_parts({"provenance": {"commit": "12283a5", "date": "2026-11-29 13:47 UTC"}})
     assert not hands_kv_in_parts({"provenance": {"commit": "309b17d", "date": "2026-11-23 21:04 UTC"}})
     assert not hands_kv_in_parts({})
+    assert hands_kv_in_parts({}, "on") and not hands_kv_in_parts({"provenance": provenance()}, "off")
+    with pytest.raises(ValueError, match="kv parts 'maybe'"):
+        hands_kv_in_parts({}, "maybe")
     scenario = load_scenario(str(REPO / "loadtest/scenarios/disagg-vs-colocated-fixed.yaml"))
     for path, parts in (("disagg-vs-colocated-fixed/run-1", 256), ("disagg-vs-colocated", None)):
         report = json.loads((REPO / "loadtest/results" / path / "summary.json").read_text())
-        model = Model(scenario, report, load_profile(str(REPO / "loadtest/scenarios/profiles/random-llama-h512-l4.json")),
-                      poll_phases=1)
+        profile = load_profile(str(REPO / "loadtest/scenarios/profiles/random-llama-h512-l4.json"))
+        model = Model(scenario, report, profile, poll_phases=1)
         target = next(t for t in report["targets"] if t["name"] == "disaggregated")
         assert model.spec(target).router.kv_part_tokens == parts
 
@@ -300,4 +303,5 @@ def test_the_clis_copies_of_the_validations_choices_match_their_modules():
 
     assert cli.POLL_PHASES == validation_model.POLL_PHASES
     assert cli.MID_STEP_ARRIVALS == validation_model.MID_STEP_ARRIVALS
+    assert cli.KV_PARTS == validation_model.KV_PARTS_CHOICES
     assert cli.CORE_SHARING == config.CORE_SHARING
