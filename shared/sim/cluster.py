@@ -7,9 +7,8 @@ routers' polls are staggered over the period, at `poll_phase` against the arriva
 live placer does). Disaggregated: the request queues on its prefill replica (in chunks of a KV part where
 the router hands the KV over in parts, pdserve.sim.handoff); when its prompt is done its first token reaches
 the client, what is left of its KV moves for `kv_transfer_s` (its prefill blocks held until then), and it
-joins the decode replica. Without a prefill replica in the placement, the
-decode replica prefills it locally. A draining replica takes no new placement and leaves once it holds no
-work (nothing is lost).
+joins the decode replica. Without a prefill replica in the placement, the decode replica prefills it locally.
+A draining replica takes no new placement and leaves once it holds no work (nothing is lost).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from pdserve.placement.pending import PendingPlacements
 from pdserve.placement.policy import PlacementRequest, Rejection, create_policy
 from pdserve.sim.config import ClusterSpec, SimRequest
 from pdserve.sim.engine import Batch, Engine, SimSeq
-from pdserve.sim.handoff import Handoff, plan_handoff
+from pdserve.sim.handoff import plan_handoff
 from pdserve.sim.host import OffStepLoad, SharedCores
 from pdserve.sim.replica import Replica
 from pdserve.sim.results import RequestRecord
@@ -64,8 +63,8 @@ class Simulation:
         self._seq = itertools.count()
         self._ids = {"prefill": itertools.count(), "decode": itertools.count()}
         self._records_by_seq: dict[int, RequestRecord] = {}
-        self._targets: dict[int, Replica] = {}  # prefilling sequence -> its decode replica
-        self._handoffs: dict[int, Handoff] = {}  # prefilling sequence -> how its KV moves
+        # prefilling sequence -> (its decode replica, the tokens whose KV is left to move after its prefill)
+        self._targets: dict[int, tuple[Replica, int]] = {}
         colocated = spec.mode == "colocated"
         router = spec.router
         prefill_model = profile.for_role("prefill")
@@ -200,9 +199,8 @@ class Simulation:
         seq = seq_owner.engine.add(req, handoff.max_prefill_chunk)
         self._records_by_seq[id(seq)] = record
         if prefill is not None:
-            self._handoffs[id(seq)] = handoff
             record.prefill_replica = prefill.replica_id
-            self._targets[id(seq)] = decode
+            self._targets[id(seq)] = (decode, handoff.tail_tokens(req.prompt_tokens))
             decode.num_inbound += 1
         self._kick(seq_owner)
         return 0
@@ -281,7 +279,7 @@ class Simulation:
         for seq in outcome.prefilled:
             replica.num_held += 1
             seq.first_token_s = self._records_by_seq[id(seq)].first_token_s = self.now
-            tokens = self._handoffs.pop(id(seq)).tail_tokens(seq.request.prompt_tokens)
+            tokens = self._targets[id(seq)][1]
             transfer = self.transfer_model.kv_transfer_s(tokens, self.spec.transport) if self.transfer_model else 0.0
             self._push(self.now + transfer, TRANSFER, (replica, seq))
         for seq in outcome.finished:
@@ -295,7 +293,7 @@ class Simulation:
     def _handoff_done(self, source: Replica, seq: SimSeq) -> int:
         source.engine.free(seq)
         source.num_held -= 1
-        target = self._targets.pop(id(seq))
+        target, _ = self._targets.pop(id(seq))
         target.num_inbound -= 1
         done = 0
         if seq.is_finished:
