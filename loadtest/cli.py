@@ -19,6 +19,7 @@ WAKE_WAIT = ("measured", "off")  # pdserve.loadtest.validation_model: the counte
 POLL_PHASES = 8  # pdserve.loadtest.validation_model.POLL_PHASES
 MID_STEP_ARRIVALS = ("report", "counted", "unseen")  # pdserve.loadtest.validation_model.MID_STEP_ARRIVALS
 KV_PARTS = ("report", "on", "off")  # pdserve.loadtest.validation_model.KV_PARTS_CHOICES
+CALIBRATE_ON = ("lowest", "each")  # pdserve.loadtest.validate.CALIBRATE_ON
 
 
 def length_spec(text: str) -> int | dict[str, Any]:
@@ -107,6 +108,9 @@ def parser() -> argparse.ArgumentParser:
     validate.add_argument("--report", action="append", help="a live report; repeat it for repeated runs, "
                           "combined per figure (default loadtest/results/<name>/run-*/summary.json, else "
                           "loadtest/results/<name>/summary.json)")
+    validate.add_argument("--all-runs", action="store_true",
+                          help="every set of repeated runs under loadtest/results/<name> (run-*/summary.json at "
+                          "any depth), pooled: each run simulated with its own calibration and its code's features")
     validate.add_argument("--profile", help="latency profile (default: the one the report's run named)")
     validate.add_argument("--write", nargs="?", type=Path, const=Path("loadtest/results/simulator-validation.json"),
                           help="also merge the result into this file (default path: %(const)s)")
@@ -148,6 +152,10 @@ def parser() -> argparse.ArgumentParser:
     validate.add_argument("--wake-wait", choices=WAKE_WAIT, default=WAKE_WAIT[0],
                           help="with step counters: a woken step thread's wait for a busy host's cores, as the "
                                "counters measured it in the gaps between steps, or a what-if without it")
+    validate.add_argument("--calibrate-on", choices=CALIBRATE_ON, default=CALIBRATE_ON[0],
+                          help="each point simulated with the calibration at its target's lowest rate (a "
+                               "prediction), or, as a what-if, with one from that point's own measurements: the "
+                               "model's structure apart from how its terms move with the load (default %(default)s)")
     validate.add_argument("--json", action="store_true", help="(the output is always one JSON object)")
     ratio = sub.add_parser("ratio", help="one target's goodput over the others' across a scenario's repeated "
                            "live runs: per run, pooled, and a 90%% interval (pdserve.loadtest.goodput_ratio)")
@@ -282,7 +290,7 @@ def validate_main(args: argparse.Namespace) -> int:
     print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write, args.serving_cores,
                               args.replica_threads, args.serving_cost, args.core_sharing,
                               args.poll_phases, args.contention, args.noise_ceiling, args.mid_step_arrivals,
-                              args.wake_wait, args.kv_parts)))
+                              args.wake_wait, args.kv_parts, args.all_runs, args.calibrate_on)))
     return 0
 
 

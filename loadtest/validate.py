@@ -37,6 +37,9 @@ from pdserve.sim.config import ClusterSpec
 from pdserve.sim.scenario import load_profile
 
 TARGET_ERROR = 0.2
+# what each point is simulated with: the calibration at its target's lowest rate (a prediction), or one from the
+# point's own measurements (what-if: the model's structure apart from how its terms move with the load)
+CALIBRATE_ON = ("lowest", "each")
 
 
 def load_report(path: Path) -> dict[str, Any]:
@@ -127,13 +130,17 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
              replica_threads_n: int | None = None, serving_cost: str = "counters", core_sharing: str = "step",
              poll_phases: int = POLL_PHASES, contention: Mapping[str, float] | None = None,
              observe: Callable[[Model, dict[str, Any], ClusterSpec, Calibration], None] | None = None,
-             mid_step_arrivals: str = "report", wake_wait: str = "measured", kv_parts: str = "report"
-             ) -> dict[str, Any]:
+             mid_step_arrivals: str = "report", wake_wait: str = "measured", kv_parts: str = "report",
+             calibrate_on: str = "lowest") -> dict[str, Any]:
     """scenario name -> {max_abs_rel_error, figures: {name: {predicted, measured}}, calibration, ...}.
     `thread_factors`: the what-if of pdserve.loadtest.machine_threads, each machine check scaled by them;
     with `replica_threads_n`, only the checks of targets whose replicas all run that many threads.
     `observe(model, target, spec, calibration)` is called once per target, calibrated. `mid_step_arrivals`:
-    whether the engines' stats showed a request waiting for a step in flight (pdserve.loadtest.validation_model)."""
+    whether the engines' stats showed a request waiting for a step in flight (pdserve.loadtest.validation_model).
+    `calibrate_on`: "each" simulates every point with a calibration from that point alone (goodput keeps the
+    lowest rate's)."""
+    if calibrate_on not in CALIBRATE_ON:
+        raise ValueError(f"calibrate on {calibrate_on!r}: one of {', '.join(CALIBRATE_ON)}")
     report = load_report(report_path)
     contention = contention or report.get("contention")  # measured here (a what-if), else the run's own
     path = profile_path or _profile_path(scenario, report)
@@ -173,14 +180,18 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
             if fitted is not None and i == 0 and rate == lowest:
                 left_out.append(f"{name}/{rate:.3g}")
                 continue
-            predicted, cpu, steps = model.simulate(spec, cal, rate)
+            own = cal
+            if calibrate_on == "each" and rate != lowest:
+                own = model.calibrate(spec, {**target, "points": [point]}, scales, source, cached)
+                calibrations[name].setdefault("each_point", {})[f"{rate:.3g}"] = own.to_dict()
+            predicted, cpu, steps = model.simulate(spec, own, rate)
             if point.get("engine_steps") and (stepped := compare_steps(steps, point["engine_steps"])):
                 engine_steps[f"{name}/{rate:.3g}"] = stepped
             for fig, value in compare(predicted, point["summary"]).items():
                 figures[f"{name}/{rate:.3g}/{fig}"] = value
             if account := CPUAccount.of(point, target.get("quiet_cpu_s")):
                 replica_cpu[f"{name}/{rate:.3g}"] = compare_cpu(sum(cpu.values()), model.tokens(spec, rate),
-                                                                 cal, account)
+                                                                 own, account)
 
         def attainment(rate: float, spec: ClusterSpec = spec, cal: Calibration = cal) -> float:
             return model.point(spec, cal, rate)["slo_attainment"]
@@ -202,7 +213,7 @@ def validate(scenario: Scenario, report_path: Path, profile_path: str | None = N
             f"fitted on {', '.join(left_out)} (left out of the figures)" if fitted else " and machine checks"),
         "num_cores": model.num_cores, "serving_cores": serving_cores, "serving_cost": serving_cost,
         "core_sharing": core_sharing, "poll_phases": poll_phases, "contention": contention,
-        "stats_count_arriving": model.count_arriving, "wake_wait": wake_wait,
+        "stats_count_arriving": model.count_arriving, "wake_wait": wake_wait, "calibrate_on": calibrate_on,
         "replica_thread_factors": thread_factors,
         "report": str(report_path), "report_commit": (report.get("provenance") or {}).get("commit"),
         "profile": path, "seed": scenario.seed,

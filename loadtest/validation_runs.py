@@ -27,6 +27,11 @@ def report_paths(results: Path) -> list[Path]:
     return runs or [results / "summary.json"]
 
 
+def all_report_paths(results: Path) -> list[Path]:
+    """Every live run under `results`: each set of repeated runs (`run-*/summary.json` at any depth), in order."""
+    return sorted(results.glob("**/run-*/summary.json"))
+
+
 def load_reports(results: Path) -> list[tuple[Path, dict[str, Any]]]:
     """The reports of `results` (`report_paths`), parsed; a ValueError naming the directory or the file."""
     paths = [p for p in report_paths(results) if p.exists()]
@@ -82,7 +87,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "serving_cores": runs[0].get("serving_cores"), "serving_cost": runs[0].get("serving_cost"),
         "core_sharing": runs[0].get("core_sharing"), "poll_phases": runs[0].get("poll_phases"),
         "contention": runs[0].get("contention"), "stats_count_arriving": runs[0].get("stats_count_arriving"),
-        "wake_wait": runs[0].get("wake_wait"),
+        "wake_wait": runs[0].get("wake_wait"), "calibrate_on": runs[0].get("calibrate_on"),
         "replica_thread_factors": runs[0].get("replica_thread_factors"),
     }
 
@@ -91,21 +96,28 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
                   serving_cores: float = 0.0, replica_threads: int | None = None,
                   serving_cost: str = "counters", core_sharing: str = "step", poll_phases: int = POLL_PHASES,
                   contention: bool = False, noise_ceiling: bool = False,
-                  mid_step_arrivals: str = "report", wake_wait: str = "measured", kv_parts: str = "report"
-                  ) -> dict[str, Any]:
+                  mid_step_arrivals: str = "report", wake_wait: str = "measured", kv_parts: str = "report",
+                  all_runs: bool = False, calibrate_on: str = "lowest") -> dict[str, Any]:
     """`reports`: one scenario's live reports (several: repeated runs, combined); default
     loadtest/results/<name>/run-*/summary.json, else loadtest/results/<name>/summary.json.
     `replica_threads`: the what-if of pdserve.loadtest.machine_threads, measured here per scenario's model;
     `contention`: that of pdserve.loadtest.contention, for scenarios whose engines over-subscribe the host;
-    `noise_ceiling`: each scenario's `noise_ceiling` (pdserve.loadtest.validation_ceiling) beside its figures."""
+    `noise_ceiling`: each scenario's `noise_ceiling` (pdserve.loadtest.validation_ceiling) beside its figures.
+    `all_runs`: every set of runs under loadtest/results/<name> (`all_report_paths`), pooled."""
     if reports and len(names) != 1:
         raise ValueError("--report goes with exactly one scenario")
+    if reports and all_runs:
+        raise ValueError("--report and --all-runs: choose one")
     out: dict[str, Any] = {}
     measured: dict[str, dict[str, float]] = {}
     shared: dict[tuple[str, int, float], dict[str, float]] = {}
     for arg in names:
         scenario = load_scenario(arg)
-        paths = [Path(r) for r in reports] if reports else report_paths(Path("loadtest/results") / scenario.name)
+        results = Path("loadtest/results") / scenario.name
+        paths = ([Path(r) for r in reports] if reports else
+                 all_report_paths(results) if all_runs else report_paths(results))
+        if all_runs and not paths:
+            raise ValueError(f"{results}: no run-*/summary.json at any depth")
         factors = None
         if replica_threads is not None:
             model = resolve_model(scenario.model)
@@ -126,7 +138,7 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
             observe = RunPhases() if noise_ceiling else None
             runs.append(validate(scenario, path, profile, serving_cores, factors, replica_threads, serving_cost,
                                  core_sharing, poll_phases, slowdown, observe, mid_step_arrivals, wake_wait,
-                                 kv_parts))
+                                 kv_parts, calibrate_on=calibrate_on))
             if observe is not None:
                 observe.predicted = {k: v["predicted"] for k, v in runs[-1]["figures"].items()}
                 phased.append(observe)

@@ -305,3 +305,81 @@ def test_the_clis_copies_of_the_validations_choices_match_their_modules():
     assert cli.MID_STEP_ARRIVALS == validation_model.MID_STEP_ARRIVALS
     assert cli.KV_PARTS == validation_model.KV_PARTS_CHOICES
     assert cli.CORE_SHARING == config.CORE_SHARING
+    from pdserve.loadtest import validate
+
+    assert cli.CALIBRATE_ON == validate.CALIBRATE_ON
+
+
+def test_all_runs_finds_every_set_of_repeated_runs(tmp_path):
+    from pdserve.loadtest.validation_runs import all_report_paths
+
+    for run in ("run-1", "kv-parts/run-2", "kv-parts/run-1", "older/set/run-3", "notes/summary-1"):
+        (tmp_path / run).mkdir(parents=True)
+        (tmp_path / run / "summary.json").write_text("{}")
+    (tmp_path / "summary.json").write_text("{}")  # a single report beside the runs is not a repetition
+    assert [p.relative_to(tmp_path).as_posix() for p in all_report_paths(tmp_path)] == [
+        "kv-parts/run-1/summary.json", "kv-parts/run-2/summary.json", "older/set/run-3/summary.json",
+        "run-1/summary.json"]
+
+
+def test_validate_all_runs_pools_every_committed_set(monkeypatch, capsys):
+    """`--all-runs`: every set under the scenario's results, each run simulated on its own."""
+    monkeypatch.chdir(REPO)
+    runs = sorted((REPO / "loadtest/results/disagg-vs-colocated-fixed").glob("**/run-*/summary.json"))
+    assert len(runs) >= 6
+    assert loadtest_main(["validate", "disagg-vs-colocated-fixed", "--all-runs", "--poll-phases", "1",
+                          "--json"]) == 0
+    pooled = json.loads(capsys.readouterr().out)["disagg-vs-colocated-fixed"]
+    assert pooled["repetitions"] == len(runs)
+    assert sorted(r["report"] for r in pooled["runs"]) == sorted(str(p.relative_to(REPO)) for p in runs)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["validate", "disagg-vs-colocated-fixed", "--all-runs", "--report", "x.json"], "choose one"),
+    (["validate", "{scenario.yaml}", "--all-runs"], "no run-*/summary.json at any depth"),
+])
+def test_validate_all_runs_bad_input_is_one_line_and_exit_code_2(monkeypatch, tmp_path, capsys, argv, needle):
+    scenario = (REPO / "loadtest/scenarios/disagg-vs-colocated-fixed.yaml").read_text()
+    (tmp_path / "scenario.yaml").write_text(scenario.replace("name: disagg-vs-colocated-fixed", "name: no-runs-yet"))
+    monkeypatch.chdir(tmp_path)
+    argv = [str(tmp_path / a[1:-1]) if a.startswith("{") else a for a in argv]
+    assert loadtest_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_calibrate_on_each_point_is_a_what_if_beside_the_prediction(monkeypatch, capsys):
+    """`--calibrate-on each`: every point above the lowest rate simulated with a calibration from its own
+    measurements (here its engines' step counters); the lowest rate's prediction and every measurement as before."""
+    monkeypatch.chdir(REPO)
+    report = "loadtest/results/prefix-routing-fixed/step-counters/run-1/summary.json"
+    out = {}
+    for on in ("lowest", "each"):
+        assert loadtest_main(["validate", "prefix-routing-fixed", "--report", report, "--poll-phases", "1",
+                              "--calibrate-on", on, "--json"]) == 0
+        out[on] = json.loads(capsys.readouterr().out)["prefix-routing-fixed"]
+        assert out[on]["calibrate_on"] == on
+    lowest, each = out["lowest"], out["each"]
+    for name, figure in lowest["figures"].items():
+        assert each["figures"][name]["measured"] == figure["measured"], name
+        if "/2/" in name or name.endswith("goodput_rps"):  # the lowest rate, and goodput: the lowest's calibration
+            assert each["figures"][name]["predicted"] == figure["predicted"], name
+    moved = [n for n in lowest["figures"] if "/5.66/" in n
+             and each["figures"][n]["predicted"] != lowest["figures"][n]["predicted"]]
+    assert len(moved) == 8  # both targets' four latency figures
+    for target in ("least_loaded", "round_robin"):
+        cal = each["calibration"][target]
+        assert set(cal["each_point"]) == {"4", "5.66"} and "each_point" not in lowest["calibration"][target]
+        assert cal["each_point"]["5.66"]["serving_step_s"] != cal["serving_step_s"]
+
+
+def test_calibrate_on_refuses_what_it_does_not_know(monkeypatch, capsys):
+    from pdserve.loadtest.validate import load_scenario, validate
+
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as exit_:
+        loadtest_main(["validate", "prefix-routing-fixed", "--calibrate-on", "highest"])
+    assert exit_.value.code == 2 and "--calibrate-on" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="calibrate on 'highest'"):
+        validate(load_scenario("prefix-routing-fixed"),
+                 REPO / "loadtest/results/prefix-routing-fixed/run-1/summary.json", calibrate_on="highest")
