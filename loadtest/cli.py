@@ -152,6 +152,10 @@ def parser() -> argparse.ArgumentParser:
     validate.add_argument("--wake-wait", choices=WAKE_WAIT, default=WAKE_WAIT[0],
                           help="with step counters: a woken step thread's wait for a busy host's cores, as the "
                                "counters measured it in the gaps between steps, or a what-if without it")
+    validate.add_argument("--speed-sensitivity", action="store_true",
+                          help="also each figure's elasticity to the replicas' speed, the speed error that moves it "
+                               "by 20%%, and how far the engines' step counters put each point's speed from the "
+                               "lowest rate's (pdserve.loadtest.validation_sensitivity)")
     validate.add_argument("--calibrate-on", choices=CALIBRATE_ON, default=CALIBRATE_ON[0],
                           help="each point simulated with the calibration at its target's lowest rate (a "
                                "prediction), or, as a what-if, with one from that point's own measurements: the "
@@ -290,7 +294,8 @@ def validate_main(args: argparse.Namespace) -> int:
     print(json.dumps(validate(args.scenarios, args.report, args.profile, args.write, args.serving_cores,
                               args.replica_threads, args.serving_cost, args.core_sharing,
                               args.poll_phases, args.contention, args.noise_ceiling, args.mid_step_arrivals,
-                              args.wake_wait, args.kv_parts, args.all_runs, args.calibrate_on)))
+                              args.wake_wait, args.kv_parts, args.all_runs, args.calibrate_on,
+                              args.speed_sensitivity)))
     return 0
 
 

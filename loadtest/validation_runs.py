@@ -18,6 +18,7 @@ from pdserve.loadtest.models import resolve_model
 from pdserve.loadtest.validate import TARGET_ERROR, load_report, load_scenario, validate
 from pdserve.loadtest.validation_ceiling import RunPhases, ceiling
 from pdserve.loadtest.validation_model import POLL_PHASES
+from pdserve.loadtest.validation_sensitivity import RunSpeeds, sensitivity
 from pdserve.sim.calibrate import rel_error
 
 
@@ -97,13 +98,15 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
                   serving_cost: str = "counters", core_sharing: str = "step", poll_phases: int = POLL_PHASES,
                   contention: bool = False, noise_ceiling: bool = False,
                   mid_step_arrivals: str = "report", wake_wait: str = "measured", kv_parts: str = "report",
-                  all_runs: bool = False, calibrate_on: str = "lowest") -> dict[str, Any]:
+                  all_runs: bool = False, calibrate_on: str = "lowest", speed_sensitivity: bool = False
+                  ) -> dict[str, Any]:
     """`reports`: one scenario's live reports (several: repeated runs, combined); default
     loadtest/results/<name>/run-*/summary.json, else loadtest/results/<name>/summary.json.
     `replica_threads`: the what-if of pdserve.loadtest.machine_threads, measured here per scenario's model;
     `contention`: that of pdserve.loadtest.contention, for scenarios whose engines over-subscribe the host;
     `noise_ceiling`: each scenario's `noise_ceiling` (pdserve.loadtest.validation_ceiling) beside its figures.
-    `all_runs`: every set of runs under loadtest/results/<name> (`all_report_paths`), pooled."""
+    `all_runs`: every set of runs under loadtest/results/<name> (`all_report_paths`), pooled.
+    `speed_sensitivity`: each scenario's `speed_sensitivity` (pdserve.loadtest.validation_sensitivity)."""
     if reports and len(names) != 1:
         raise ValueError("--report goes with exactly one scenario")
     if reports and all_runs:
@@ -133,18 +136,28 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
                 if key not in shared:
                     shared[key] = measure_contention(*key)
                 slowdown = shared[key]
-        runs, phased = [], []
+        runs, phased, speeds = [], [], []
         for path in paths:
-            observe = RunPhases() if noise_ceiling else None
+            observers = [o for o, on in ((RunPhases(), noise_ceiling), (RunSpeeds(), speed_sensitivity)) if on]
+
+            def observe(*args: Any, observers: list[Any] = observers) -> None:
+                for o in observers:
+                    o(*args)
+
             runs.append(validate(scenario, path, profile, serving_cores, factors, replica_threads, serving_cost,
-                                 core_sharing, poll_phases, slowdown, observe, mid_step_arrivals, wake_wait,
-                                 kv_parts, calibrate_on=calibrate_on))
-            if observe is not None:
-                observe.predicted = {k: v["predicted"] for k, v in runs[-1]["figures"].items()}
-                phased.append(observe)
+                                 core_sharing, poll_phases, slowdown, observe if observers else None,
+                                 mid_step_arrivals, wake_wait, kv_parts, calibrate_on=calibrate_on))
+            for o in observers:
+                if isinstance(o, RunPhases):
+                    o.predicted = {k: v["predicted"] for k, v in runs[-1]["figures"].items()}
+                    phased.append(o)
+                else:
+                    speeds.append(o)
         out[scenario.name] = combine(runs)
         if phased:
             out[scenario.name]["noise_ceiling"] = ceiling(phased, phased[0].goal)
+        if speeds:
+            out[scenario.name]["speed_sensitivity"] = sensitivity(speeds)
     if write is not None:
         existing: dict[str, Any] = {}
         if write.exists():
