@@ -5,10 +5,12 @@ The validation times every point with the speed measured before the run (the mac
 engines' step counters at each target's lowest rate (pdserve.loadtest.validation_model). Near saturation a
 latency moves by several per cent for each per cent of speed, so the ±20% target leaves the speed a narrow margin
 there: a figure with elasticity E stays within the target only while the modelled speed is within
-1.2^(1/|E|) − 1 of the live one. The machine checks of the runs (every target measures the same shapes on the
-same model before it deploys) say how much the host's speed moves from one measurement to the next, minutes
-apart: where that spread exceeds a figure's margin, a calibration made minutes before the figure's point cannot
-be expected to meet the target for it, however right the model.
+1.2^(1/|E|) − 1 of the live one. A run's machine checks (each target measures the same shapes on the same model
+before it deploys, a few minutes after the one before) say how much the host's speed moves between measurements
+minutes apart, as a target's loaded points follow its lowest rate: where that spread exceeds a figure's margin,
+a calibration made minutes before the figure's point cannot be expected to meet the target for it, however
+right the model. The spread is taken within each run (runs of other days or commits differ by more) and its
+median over the runs is the host's.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def spread(values: Sequence[float]) -> float:
 
 @dataclass
 class RunSpeeds:
-    """One live run: per figure its elasticity to the replicas' speed; per target its machine check's speed
-    shapes (ms)."""
+    """One live run: per figure its elasticity to the replicas' speed; per target, in order, its machine check's
+    speed shapes (ms)."""
     step: float = SPEED_STEP
     elasticity: dict[str, float] = field(default_factory=dict)
     shapes: list[dict[str, float]] = field(default_factory=list)
@@ -72,12 +74,21 @@ class RunSpeeds:
                                 if s["shape"] in SPEED_SHAPES})
 
 
+def within_runs(runs: Sequence[RunSpeeds]) -> dict[str, float]:
+    """Per speed shape: the median over the runs with two checks or more of its spread across a run's checks."""
+    out = {}
+    for name in sorted(SPEED_SHAPES):
+        spreads = [spread(values) for r in runs if len(values := [c[name] for c in r.shapes if name in c]) > 1]
+        if spreads:
+            out[name] = statistics.median(spreads)
+    return out
+
+
 def sensitivity(runs: Sequence[RunSpeeds]) -> dict[str, Any]:
-    """Per figure the median elasticity over the runs and its speed margin; the machine checks' spread per speed
-    shape over every run and target; the figures whose margin is below the median of those spreads."""
+    """Per figure the median elasticity over the runs and its speed margin; per speed shape the machine checks'
+    spread within a run (`within_runs`), and their median as the host's; the figures whose margin is below it."""
     checks = [c for r in runs for c in r.shapes]
-    shapes = {name: spread([c[name] for c in checks if name in c])
-              for name in sorted(SPEED_SHAPES) if any(name in c for c in checks)}
+    shapes = within_runs(runs)
     host = statistics.median(shapes.values()) if shapes else None
     figures: dict[str, Any] = {}
     for name in sorted({n for r in runs for n in r.elasticity}):

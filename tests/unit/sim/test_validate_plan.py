@@ -340,7 +340,8 @@ def test_validate_all_runs_pools_every_committed_set(monkeypatch, capsys):
 ])
 def test_validate_all_runs_bad_input_is_one_line_and_exit_code_2(monkeypatch, tmp_path, capsys, argv, needle):
     scenario = (REPO / "loadtest/scenarios/disagg-vs-colocated-fixed.yaml").read_text()
-    (tmp_path / "scenario.yaml").write_text(scenario.replace("name: disagg-vs-colocated-fixed", "name: no-runs-yet"))
+    renamed = scenario.replace("name: disagg-vs-colocated-fixed", "name: no-runs-yet")
+    (tmp_path / "scenario.yaml").write_text(renamed)
     monkeypatch.chdir(tmp_path)
     argv = [str(tmp_path / a[1:-1]) if a.startswith("{") else a for a in argv]
     assert loadtest_main(argv) == 2
@@ -350,7 +351,8 @@ def test_validate_all_runs_bad_input_is_one_line_and_exit_code_2(monkeypatch, tm
 
 def test_calibrate_on_each_point_is_a_what_if_beside_the_prediction(monkeypatch, capsys):
     """`--calibrate-on each`: every point above the lowest rate simulated with a calibration from its own
-    measurements (here its engines' step counters); the lowest rate's prediction and every measurement as before."""
+    measurements (here its engines' step counters); the lowest rate's prediction and every measurement as
+    before."""
     monkeypatch.chdir(REPO)
     report = "loadtest/results/prefix-routing-fixed/step-counters/run-1/summary.json"
     out = {}

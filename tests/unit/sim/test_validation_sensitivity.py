@@ -33,15 +33,21 @@ def test_slower_stretches_every_replica_term_and_nothing_else():
     assert slower(Calibration(), 1.1).prefill_cached_scale is None
 
 
-def test_sensitivity_sets_each_figures_margin_against_the_machine_checks_spread():
+def test_sensitivity_sets_each_figures_margin_against_the_machine_checks_spread_within_a_run():
     runs = [RunSpeeds(elasticity={"a/1/tpot_p50_ms": e1, "a/4/tpot_p50_ms": e4},
-                      shapes=[{"prefill_1024": p, "decode_b1_ctx1024": d}])
-            for e1, e4, p, d in ((1.0, 3.0, 200.0, 3.0), (1.2, 4.0, 220.0, 2.7), (0.8, 3.5, 240.0, 3.3))]
+                      shapes=[{"prefill_1024": p, "decode_b1_ctx1024": d}, {"prefill_1024": p * 1.1,
+                                                                        "decode_b1_ctx1024": d * k}])
+            for e1, e4, p, d, k in ((1.0, 3.0, 200.0, 3.0, 1.2), (1.2, 4.0, 300.0, 2.0, 1.1),
+                                    (0.8, 3.5, 400.0, 3.3, 1.3))]
     out = sensitivity(runs)
-    assert out["machine_checks"] == 3
-    assert out["machine_check_spread"] == {"decode_b1_ctx1024": pytest.approx(0.1),
-                                           "prefill_1024": pytest.approx(20 / 220)}
-    assert out["host_speed_spread"] == pytest.approx((0.1 + 20 / 220) / 2)
+    assert out["machine_checks"] == 6
+    # within each run: prefill 10% apart, decode 20%, 10%, 30%; another run's speed does not count
+    assert out["machine_check_spread"] == {"decode_b1_ctx1024": pytest.approx(0.1 / 1.1),
+                                           "prefill_1024": pytest.approx(0.05 / 1.05)}
+    assert out["host_speed_spread"] == pytest.approx((0.1 / 1.1 + 0.05 / 1.05) / 2)
+    assert sensitivity([RunSpeeds(elasticity={"a/1/tpot_p50_ms": 1.0}, shapes=[{"prefill_1024": 1.0}])])[
+        "host_speed_spread"] is None  # one check a run: no spread to read
+
     low, high = out["figures"]["a/1/tpot_p50_ms"], out["figures"]["a/4/tpot_p50_ms"]
     assert low["elasticity"] == pytest.approx(1.0) and high["elasticity"] == pytest.approx(3.5)
     assert not low["margin_below_host_spread"] and high["margin_below_host_spread"]
@@ -59,7 +65,7 @@ def test_validate_gives_each_committed_figures_elasticity(monkeypatch, capsys):
     result = json.loads(capsys.readouterr().out)["prefix-routing-fixed"]
     out = result["speed_sensitivity"]
     assert set(out["figures"]) == {k for k in result["figures"] if not k.endswith("goodput_rps")}
-    assert out["machine_checks"] == 2 and 0 < out["host_speed_spread"] < 0.5
+    assert out["machine_checks"] == 2 and 0 < out["host_speed_spread"] < 0.5  # two targets' checks, one run
     for target in ("least_loaded", "round_robin"):
         quiet, busy = (out["figures"][f"{target}/{rate}/tpot_p50_ms"]["elasticity"] for rate in ("2", "5.66"))
         assert 0 < quiet < busy and busy > 1.5
