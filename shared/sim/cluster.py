@@ -236,7 +236,7 @@ class Simulation:
             self._push(engine.busy_until, STEP, (replica, replica.step_version))
         else:
             engine.busy_until = self.now  # in flight; its end comes from the sharing
-            self.cores.start(replica, profiled, self._threads(replica), self.now)
+            self.cores.start(replica, profiled, self._threads(replica), self.now, self.spec.wake_wait_s)
             self._reshare()
 
     def _reshare(self) -> None:

@@ -92,9 +92,9 @@ class ClusterSpec:
     # "step" sharing, while the busy replicas' threads exceed num_cores: a step's slow-down beyond the fair
     # share, (a step with a prefill, a decode-only step), as measured (pdserve.loadtest.contention)
     oversubscribed_scale: tuple[float, float] = (1.0, 1.0)
-    # "step" sharing: the thread woken for a replica's next step waits this long for a core where every core
-    # is taken, so each step starts wake_wait_s x (1 - 1/slow-down) late: the share of time a runnable thread
-    # waits under processor sharing (pdserve.engine.step_clock measures the live gaps' wait)
+    # the thread woken for a replica's next step waits this long for a core where every core is taken, so
+    # each step starts wake_wait_s x (1 - 1/slow-down) late ("continuous": 1 - its first rate): the share of
+    # time a runnable thread waits under processor sharing (pdserve.engine.step_clock measures the live gaps')
     wake_wait_s: float = 0.0
 
     def __post_init__(self) -> None:

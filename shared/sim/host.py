@@ -43,13 +43,16 @@ class _Step:
     threads: float
     rate: float  # profiled seconds run per second
     since: float  # when left_s was last brought up to date
+    wake_s: float = 0.0  # the woken thread's wait for a core where all are taken, before it runs
+    begins: float | None = None  # when it starts to run: set at the first reshare after it starts
 
 
 class SharedCores:
     """Steps in flight on one host's cores, shared continuously (processor sharing): each progresses at
     min(1, cores / demand) of its profiled speed, the demand being the threads of every step in flight plus the
     cores the off-step and background work keep busy. Rates are recomputed whenever a step starts or ends, so a
-    long prefill slows when another replica's step starts beside it, and speeds up when that one ends."""
+    long prefill slows when another replica's step starts beside it, and speeds up when that one ends. A step
+    may first wait `wake_s` x (1 - its first rate) for a core (ClusterSpec.wake_wait_s), counted in the demand."""
 
     def __init__(self, num_cores: float) -> None:
         if not num_cores > 0:
@@ -57,9 +60,9 @@ class SharedCores:
         self.num_cores = num_cores
         self._steps: dict[object, _Step] = {}
 
-    def start(self, key: object, profiled_s: float, threads: float, now: float) -> None:
+    def start(self, key: object, profiled_s: float, threads: float, now: float, wake_s: float = 0.0) -> None:
         self._advance(now)
-        self._steps[key] = _Step(profiled_s, threads, 1.0, now)
+        self._steps[key] = _Step(profiled_s, threads, 1.0, now, wake_s)
 
     def finish(self, key: object, now: float) -> None:
         self._advance(now)
@@ -72,9 +75,12 @@ class SharedCores:
         rate = min(1.0, self.num_cores / demand) if demand > 0 else 1.0
         for step in self._steps.values():
             step.rate = rate
-        return {key: now + s.left_s / rate for key, s in self._steps.items()}
+            if step.begins is None:
+                step.begins = now + step.wake_s * (1.0 - rate)
+        return {key: max(now, s.begins) + s.left_s / rate for key, s in self._steps.items()}  # type: ignore[type-var]
 
     def _advance(self, now: float) -> None:
         for step in self._steps.values():
-            step.left_s = max(0.0, step.left_s - (now - step.since) * step.rate)
+            ran = now - max(step.since, step.begins if step.begins is not None else step.since)
+            step.left_s = max(0.0, step.left_s - max(0.0, ran) * step.rate)
             step.since = now

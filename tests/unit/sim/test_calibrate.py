@@ -110,6 +110,19 @@ def test_a_step_slows_when_another_starts_beside_it_and_speeds_up_when_it_ends()
     assert cores.reshare(1.5, 1.0) == {"b": pytest.approx(2.5)}
 
 
+def test_a_woken_step_waits_for_a_core_by_its_share_of_the_wait_before_it_runs():
+    # one core; b starts at 0.5 beside a, with a 0.4 s wake wait at rate 0.5: it runs from 0.7, while a, the
+    # waiting thread counted in the demand, still runs at half speed and ends at 1.5; b, 0.4 s done by then,
+    # ends alone at 2.1
+    cores = SharedCores(1.0)
+    cores.start("a", 1.0, 1.0, 0.0, wake_s=0.4)
+    assert cores.reshare(0.0, 0.0) == {"a": pytest.approx(1.0)}  # alone: no wait
+    cores.start("b", 1.0, 1.0, 0.5, wake_s=0.4)
+    assert cores.reshare(0.5, 0.0) == {"a": pytest.approx(1.5), "b": pytest.approx(2.7)}
+    cores.finish("a", 1.5)
+    assert cores.reshare(1.5, 0.0) == {"b": pytest.approx(2.1)}
+
+
 def test_calibration_is_validated():
     with pytest.raises(ValueError, match="prefill_scale"):
         Calibration(prefill_scale=0)
