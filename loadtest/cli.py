@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-CORE_SHARING = ("step", "continuous")  # pdserve.sim.config.CORE_SHARING (not imported: the CLI starts light)
+CORE_SHARING = ("step", "continuous", "auto")  # validation_model.CORE_SHARING_CHOICES (not imported: the CLI starts light)
 SERVING_COSTS = ("counters", "step", "relay")
 WAKE_WAIT = ("measured", "off")  # pdserve.loadtest.validation_model: the counters' wake-up wait, or none  # pdserve.loadtest.validate: the serving layer's decode time, per step or per row
 POLL_PHASES = 8  # pdserve.loadtest.validation_model.POLL_PHASES
@@ -128,9 +128,10 @@ def parser() -> argparse.ArgumentParser:
                           "reports without counters fall back to step), per step from each target's batch probe "
                           "(reports without one fall back to relay), or per row from its idle probe's TPOT, the "
                           "calibration before the batch probe (default %(default)s)")
-    validate.add_argument("--core-sharing", choices=CORE_SHARING, default=CORE_SHARING[0],
+    validate.add_argument("--core-sharing", choices=CORE_SHARING, default="auto",
                           help="how the model's steps share the host's cores: each slowed by the demand when it "
-                          "starts, or all re-rated whenever a step starts or ends (default %(default)s)")
+                          "starts, or all re-rated whenever a step starts or ends, or auto: continuous for targets "
+                          "whose step counters measure the wake-up wait, step elsewhere (default %(default)s)")
     validate.add_argument("--poll-phases", type=int, default=POLL_PHASES, metavar="N",
                           help="each prediction is the median of N simulations whose routers poll at phases "
                           "spread over the poll period, as a live run's fall anywhere against its arrivals "

@@ -127,7 +127,7 @@ def _profile_path(scenario: Scenario, report: dict[str, Any]) -> str:
 
 def validate(scenario: Scenario, report_path: Path, profile_path: str | None = None,
              serving_cores: float = 0.0, thread_factors: Mapping[str, float] | None = None,
-             replica_threads_n: int | None = None, serving_cost: str = "counters", core_sharing: str = "step",
+             replica_threads_n: int | None = None, serving_cost: str = "counters", core_sharing: str = "auto",
              poll_phases: int = POLL_PHASES, contention: Mapping[str, float] | None = None,
              observe: Callable[[Model, dict[str, Any], ClusterSpec, Calibration], None] | None = None,
              mid_step_arrivals: str = "report", wake_wait: str = "measured", kv_parts: str = "report",

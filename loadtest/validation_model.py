@@ -36,6 +36,9 @@ STATS_FREE = frozenset({"round_robin"})
 FIT_SCALES = tuple(round(1.0 + 0.2 * k, 2) for k in range(11))  # 1.0 .. 3.0
 MID_STEP_ARRIVALS = ("report", "counted", "unseen")
 KV_PARTS_CHOICES = ("report", "on", "off")
+# ClusterSpec.core_sharing, or "auto": continuous where the target's lowest rate has step counters and their
+# wake-up wait is used (the continuous model's wait is measured there), step elsewhere
+CORE_SHARING_CHOICES = ("step", "continuous", "auto")
 
 
 def counts_arriving(report: dict[str, Any], mid_step_arrivals: str = "report") -> bool:
@@ -64,7 +67,7 @@ class Model:
     """One scenario's simulated runs: the report's configuration, a calibration per target."""
 
     def __init__(self, scenario: Scenario, report: dict[str, Any], profile: LatencyProfile,
-                 serving_cores: float = 0.0, serving_cost: str = "counters", core_sharing: str = "step",
+                 serving_cores: float = 0.0, serving_cost: str = "counters", core_sharing: str = "auto",
                  poll_phases: int = POLL_PHASES, oversubscribed: tuple[float, float] = (1.0, 1.0),
                  mid_step_arrivals: str = "report", wake_wait: str = "measured", kv_parts: str = "report") -> None:
         if serving_cost not in ("counters", "step", "relay"):
@@ -74,11 +77,13 @@ class Model:
             raise ValueError(f"--poll-phases {poll_phases}: at least 1")
         if wake_wait not in ("measured", "off"):
             raise ValueError(f"wake wait {wake_wait!r}: 'measured' or 'off'")
+        if core_sharing not in CORE_SHARING_CHOICES:
+            raise ValueError(f"core sharing {core_sharing!r}: one of {', '.join(CORE_SHARING_CHOICES)}")
         self.poll_phases, self.oversubscribed, self.wake_wait = poll_phases, oversubscribed, wake_wait
         self.count_arriving = counts_arriving(report, mid_step_arrivals)
         self.kv_parts = hands_kv_in_parts(report, kv_parts)
         self.profile, self.report, self.serving_cost = profile, report, serving_cost
-        self.core_sharing = core_sharing  # ClusterSpec.core_sharing: "step" or "continuous"
+        self.core_sharing = core_sharing  # one of CORE_SHARING_CHOICES
         self.work: Workload = workload(report["workload"])
         ld = report["load"]
         self.load = LoadConfig(int(ld["num_requests"]), float(ld["max_duration_s"]), ld["arrival"],
@@ -101,7 +106,15 @@ class Model:
                    for role in ("prefill", "decode")}
         router = spec.router if self.kv_parts else dataclasses.replace(spec.router, kv_part_tokens=None)
         return dataclasses.replace(spec, **engines, router=router, num_cores=self.num_cores,
-                                   core_sharing=self.core_sharing, oversubscribed_scale=self.oversubscribed)
+                                   core_sharing=self.sharing(target), oversubscribed_scale=self.oversubscribed)
+
+    def sharing(self, target: dict[str, Any]) -> str:
+        """The target's ClusterSpec.core_sharing ("auto": continuous where its wake-up wait is measured)."""
+        if self.core_sharing != "auto":
+            return self.core_sharing
+        low = min(target["points"], key=lambda p: p["rate"])
+        measured = self.serving_cost == "counters" and self.wake_wait == "measured" and low.get("engine_steps")
+        return "continuous" if measured else "step"
 
     def point(self, spec: ClusterSpec, cal: Calibration, rate: float) -> dict[str, Any]:
         return self.simulate(spec, cal, rate)[0]

@@ -95,7 +95,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def validate_main(names: list[str], reports: list[str] | None, profile: str | None, write: Path | None,
                   serving_cores: float = 0.0, replica_threads: int | None = None,
-                  serving_cost: str = "counters", core_sharing: str = "step", poll_phases: int = POLL_PHASES,
+                  serving_cost: str = "counters", core_sharing: str = "auto", poll_phases: int = POLL_PHASES,
                   contention: bool = False, noise_ceiling: bool = False,
                   mid_step_arrivals: str = "report", wake_wait: str = "measured", kv_parts: str = "report",
                   all_runs: bool = False, calibrate_on: str = "lowest", speed_sensitivity: bool = False

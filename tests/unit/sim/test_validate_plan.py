@@ -296,6 +296,28 @@ def test_a_runs_kv_handoff_is_modelled_as_its_router_did_it():
         assert model.spec(target).router.kv_part_tokens == parts
 
 
+def test_auto_core_sharing_is_continuous_where_the_counters_measure_the_wake_up_wait():
+    from pdserve.loadtest.validate import load_scenario
+    from pdserve.loadtest.validation_model import Model
+    from pdserve.sim.scenario import load_profile
+
+    scenario = load_scenario(str(REPO / "loadtest/scenarios/prefix-routing-fixed.yaml"))
+    profile = load_profile(str(REPO / "loadtest/scenarios/profiles/random-llama-h512-l4.json"))
+    results = REPO / "loadtest/results/prefix-routing-fixed"
+    counted = json.loads((results / "counters-2/run-1/summary.json").read_text())
+    uncounted = json.loads((results / "run-1/summary.json").read_text())
+    target = counted["targets"][0]
+    assert min(target["points"], key=lambda p: p["rate"]).get("engine_steps")
+    assert Model(scenario, counted, profile).spec(target).core_sharing == "continuous"  # auto, the default
+    for model in (Model(scenario, counted, profile, core_sharing="auto", wake_wait="off"),
+                  Model(scenario, counted, profile, core_sharing="auto", serving_cost="step"),
+                  Model(scenario, counted, profile, core_sharing="step")):
+        assert model.spec(target).core_sharing == "step"
+    assert Model(scenario, uncounted, profile, core_sharing="auto").spec(uncounted["targets"][0]).core_sharing == "step"
+    with pytest.raises(ValueError, match="core sharing 'fair'"):
+        Model(scenario, counted, profile, core_sharing="fair")
+
+
 def test_the_clis_copies_of_the_validations_choices_match_their_modules():
     """The CLI names them without importing the simulator (it starts light); the copies must not drift."""
     from pdserve.loadtest import cli, validation_model
@@ -304,7 +326,8 @@ def test_the_clis_copies_of_the_validations_choices_match_their_modules():
     assert cli.POLL_PHASES == validation_model.POLL_PHASES
     assert cli.MID_STEP_ARRIVALS == validation_model.MID_STEP_ARRIVALS
     assert cli.KV_PARTS == validation_model.KV_PARTS_CHOICES
-    assert cli.CORE_SHARING == config.CORE_SHARING
+    assert cli.CORE_SHARING == validation_model.CORE_SHARING_CHOICES
+    assert validation_model.CORE_SHARING_CHOICES[:2] == config.CORE_SHARING
     from pdserve.loadtest import validate
 
     assert cli.CALIBRATE_ON == validate.CALIBRATE_ON

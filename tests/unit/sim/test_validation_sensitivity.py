@@ -66,6 +66,7 @@ def test_validate_gives_each_committed_figures_elasticity(monkeypatch, capsys):
     out = result["speed_sensitivity"]
     assert set(out["figures"]) == {k for k in result["figures"] if not k.endswith("goodput_rps")}
     assert out["machine_checks"] == 2 and 0 < out["host_speed_spread"] < 0.5  # two targets' checks, one run
-    for target in ("least_loaded", "round_robin"):
-        quiet, busy = (out["figures"][f"{target}/{rate}/tpot_p50_ms"]["elasticity"] for rate in ("2", "5.66"))
-        assert 0 < quiet < busy and busy > 1.5
+    # round robin places the same way at any speed; least_loaded reads polled stats, and from one poll phase its
+    # elasticity is one draw of its placement (0.05 to 2.6 seen at 5.66 req/s)
+    quiet, busy = (out["figures"][f"round_robin/{rate}/tpot_p50_ms"]["elasticity"] for rate in ("2", "5.66"))
+    assert 0 < quiet < busy and busy > 1.5
