@@ -315,6 +315,7 @@ class Simulation:
         record.first_token_s = record.first_token_s or seq.first_token_s
         record.finish_s = seq.finish_s
         record.num_preemptions = seq.num_preemptions
+        record.cached_tokens, record.prefill_chunks = seq.num_cached_tokens, seq.num_prefill_chunks
         for hook in self.observers.on_finish:
             hook(record, self.now)
 

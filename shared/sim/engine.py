@@ -31,6 +31,8 @@ class SimSeq:
     is_decoding: bool = False
     max_prefill_chunk: int | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # its prompt found in the prefix cache when first admitted (what usage reports)
+    num_prefill_chunks: int = 0  # steps that computed part of its prompt
     first_token_s: float | None = None
     finish_s: float | None = None
 
@@ -152,6 +154,8 @@ class Engine:
             seq = self.waiting[0]
             if seq.num_blocks == 0:
                 seq.num_computed = self._prefix_hit(seq)
+                if not seq.num_preemptions:
+                    seq.num_cached_tokens = seq.num_computed
             n = self._chunk(seq, budget, batch)
             if not n or self.blocks_for(seq.num_tokens) - seq.num_blocks > self.num_free_blocks:
                 self._reset(seq)
@@ -236,6 +240,7 @@ class Engine:
             if seq not in self.running:
                 continue  # preempted after this step was scheduled: its work is lost
             seq.num_computed += n
+            seq.num_prefill_chunks += 1
             if seq.num_computed < seq.num_tokens:
                 continue
             self._remember(seq)

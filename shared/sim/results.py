@@ -23,6 +23,8 @@ class RequestRecord:
     prefill_replica: str | None = None
     decode_replica: str | None = None
     num_preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (usage.prompt_tokens_details.cached_tokens)
+    prefill_chunks: int = 0  # engine steps that computed part of the prompt
 
     @property
     def ttft_s(self) -> float | None:
@@ -66,6 +68,7 @@ def per_request(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
     return [{"index": r.request.index, "arrival_s": r.request.arrival_s, "prompt_tokens": r.request.prompt_tokens,
              "output_tokens": r.request.output_tokens, "status": r.status, "first_token_s": r.first_token_s,
              "finish_s": r.finish_s, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "preemptions": r.num_preemptions,
+             "cached_tokens": r.cached_tokens, "prefill_chunks": r.prefill_chunks,
              "prefill_replica": r.prefill_replica, "decode_replica": r.decode_replica} for r in records]
 
 

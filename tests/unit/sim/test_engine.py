@@ -43,6 +43,17 @@ def test_a_long_prompt_is_prefilled_in_kv_parts_and_only_its_tail_moves_after(pr
     assert abs(short.ttft_s - model.prefill_time_s(256)) < 1e-12
 
 
+def test_a_record_counts_its_prompts_chunks_and_cached_tokens(profile):
+    """As the live usage and spans report them: 1000 tokens in four 256-token parts; the same prompt sent
+    again finds its 62 full blocks (992 tokens) in the prefill replica's cache and computes the rest in one."""
+    blocks = tuple(range(1, 63))
+    requests = [SimRequest(0, 0.0, 1000, 2, blocks), SimRequest(1, 100.0, 1000, 2, blocks)]
+    first, again = sorted(Simulation(ClusterSpec(router=ROUND_ROBIN), profile, requests).run(),
+                          key=lambda r: r.request.index)
+    assert (first.cached_tokens, first.prefill_chunks) == (0, 4)
+    assert (again.cached_tokens, again.prefill_chunks) == (992, 1)
+
+
 def test_kv_parts_follow_the_routers_rule(profile):
     from pdserve.services.router.config import RouterConfig
     from pdserve.engine.kv_parts import part_tokens as live_part_tokens
