@@ -157,6 +157,10 @@ def parser() -> argparse.ArgumentParser:
                           help="also each figure's elasticity to the replicas' speed, the speed error that moves it "
                                "by 20%%, and how far the engines' step counters put each point's speed from the "
                                "lowest rate's (pdserve.loadtest.validation_sensitivity)")
+    validate.add_argument("--replication", action="store_true",
+                          help="also, per set of repeated runs (the directory holding run-*/), the model's score "
+                               "against its median measurements beside the other sets' measurements' score: the "
+                               "live experiment repeated as a prediction (pdserve.loadtest.validation_replication)")
     validate.add_argument("--calibrate-on", choices=CALIBRATE_ON, default=CALIBRATE_ON[0],
                           help="each point simulated with the calibration at its target's lowest rate (a "
                                "prediction), or, as a what-if, with one from that point's own measurements: the "
@@ -296,7 +300,7 @@ def validate_main(args: argparse.Namespace) -> int:
                               args.replica_threads, args.serving_cost, args.core_sharing,
                               args.poll_phases, args.contention, args.noise_ceiling, args.mid_step_arrivals,
                               args.wake_wait, args.kv_parts, args.all_runs, args.calibrate_on,
-                              args.speed_sensitivity)))
+                              args.speed_sensitivity, replication=args.replication)))
     return 0
 
 

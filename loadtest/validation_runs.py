@@ -18,6 +18,7 @@ from pdserve.loadtest.models import resolve_model
 from pdserve.loadtest.validate import TARGET_ERROR, load_report, load_scenario, validate
 from pdserve.loadtest.validation_ceiling import RunPhases, ceiling
 from pdserve.loadtest.validation_model import POLL_PHASES
+from pdserve.loadtest.validation_replication import replication as replicate
 from pdserve.loadtest.validation_sensitivity import RunSpeeds, sensitivity
 from pdserve.sim.calibrate import rel_error
 
@@ -98,15 +99,16 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
                   serving_cost: str = "counters", core_sharing: str = "auto", poll_phases: int = POLL_PHASES,
                   contention: bool = False, noise_ceiling: bool = False,
                   mid_step_arrivals: str = "report", wake_wait: str = "measured", kv_parts: str = "report",
-                  all_runs: bool = False, calibrate_on: str = "lowest", speed_sensitivity: bool = False
-                  ) -> dict[str, Any]:
+                  all_runs: bool = False, calibrate_on: str = "lowest", speed_sensitivity: bool = False,
+                  replication: bool = False) -> dict[str, Any]:
     """`reports`: one scenario's live reports (several: repeated runs, combined); default
     loadtest/results/<name>/run-*/summary.json, else loadtest/results/<name>/summary.json.
     `replica_threads`: the what-if of pdserve.loadtest.machine_threads, measured here per scenario's model;
     `contention`: that of pdserve.loadtest.contention, for scenarios whose engines over-subscribe the host;
     `noise_ceiling`: each scenario's `noise_ceiling` (pdserve.loadtest.validation_ceiling) beside its figures.
     `all_runs`: every set of runs under loadtest/results/<name> (`all_report_paths`), pooled.
-    `speed_sensitivity`: each scenario's `speed_sensitivity` (pdserve.loadtest.validation_sensitivity)."""
+    `speed_sensitivity`: each scenario's `speed_sensitivity` (pdserve.loadtest.validation_sensitivity).
+    `replication`: each scenario's `replication` (pdserve.loadtest.validation_replication); two sets or more."""
     if reports and len(names) != 1:
         raise ValueError("--report goes with exactly one scenario")
     if reports and all_runs:
@@ -136,6 +138,9 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
                 if key not in shared:
                     shared[key] = measure_contention(*key)
                 slowdown = shared[key]
+        if replication and len({p.parent.parent for p in paths}) < 2:
+            raise ValueError(f"{scenario.name}: --replication needs runs from at least two sets (directories "
+                             "holding run-*/); give them with --report or --all-runs")
         runs, phased, speeds = [], [], []
         for path in paths:
             observers = [o for o, on in ((RunPhases(), noise_ceiling), (RunSpeeds(), speed_sensitivity)) if on]
@@ -158,6 +163,8 @@ def validate_main(names: list[str], reports: list[str] | None, profile: str | No
             out[scenario.name]["noise_ceiling"] = ceiling(phased, phased[0].goal)
         if speeds:
             out[scenario.name]["speed_sensitivity"] = sensitivity(speeds)
+        if replication:
+            out[scenario.name]["replication"] = replicate(paths, runs)
     if write is not None:
         existing: dict[str, Any] = {}
         if write.exists():
