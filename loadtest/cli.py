@@ -140,7 +140,9 @@ def parser() -> argparse.ArgumentParser:
                           help="what-if: where a target ran more one-thread engines than its host had cores, "
                           "measure here how much such engines slow beyond a fair share of the cores, for a "
                           "prefill and a decode step, and model it (pdserve.loadtest.contention; ~1 min); "
-                          "without it, a report that measured its own (runs since 2026-12-02) is modelled with that")
+                          "without it, a report that measured its own (runs since 2026-12-02) is modelled with that. It scales "
+                          "step sharing only: targets shared continuously (--core-sharing auto, where the step "
+                          "counters measure the wait) keep their fair share")
     validate.add_argument("--noise-ceiling", action="store_true",
                           help="also the chance that an exact model meets the ±20%% target against runs like "
                                "these, the poll phase being their only noise (pdserve.loadtest.validation_ceiling)")
