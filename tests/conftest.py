@@ -36,7 +36,8 @@ SLOW_IMPORTS = {"ucxx", "RedisServer", "RedisSupervisor"}  # names in a module's
 SLOW_TESTS = {  # node id prefix under tests/ -> why: what no rule above sees, or what ran > 5 s on 2 cores
     "loadtest/test_soak.py::test_a_small_soak_as_users_run_it": "runs `pdserve-loadtest soak`: its own Ray",
     "unit/kernels/test_engine_backends.py::test_tiny_greedy_matches_between_backends": "6-9 s",
-    "unit/sim/test_committed_validation.py": "validates six scenarios' committed live reports: ~2 min",
+    "unit/sim/test_committed_validation.py::test_the_committed_validation_is_what_validate_gives":
+        "validates six scenarios' committed live reports: ~2 min",
     "unit/kvcache/test_kv_shm.py::test_importer_killed_mid_transfer_leaves_the_exporter_serving_and_the_lease_retryable":
         "two importer processes, 4096 pieces: 5-7 s",
     "unit/kvcache/test_kv_shm.py::test_exporter_killed_mid_transfer_fails_the_pull_cleanly_and_leaves_nothing_mapped":
